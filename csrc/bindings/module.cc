@@ -1,0 +1,8 @@
+// peerstate._C: the native core. Each subsystem registers its own bindings.
+#include "bindings/errors.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "peerstate native core (see peerstate/_C.pyi)";
+  peerstate::bindings::bind_errors(m);
+  peerstate::bindings::bind_snapshot(m);
+}

@@ -1,0 +1,206 @@
+#include "core/crc32c.h"
+
+#include <array>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#include <nmmintrin.h>
+#endif
+
+namespace peerstate {
+namespace {
+
+constexpr uint32_t kPoly = 0x82f63b78;  // reflected Castagnoli polynomial
+
+// Lane lengths of the three-way interleaved hardware loop. The crc32
+// instruction has a latency of three cycles and a throughput of one, so three
+// independent lanes keep it busy; their results are joined by "shifting" a CRC
+// over a run of zero bytes, which a table per lane length does in 4 lookups.
+constexpr size_t kLongLane = 8192;
+constexpr size_t kShortLane = 256;
+
+struct Tables {
+  uint32_t slice[8][256];        // slicing-by-8 software CRC
+  uint32_t long_shift[4][256];   // multiply by x^(8 * kLongLane)
+  uint32_t short_shift[4][256];  // multiply by x^(8 * kShortLane)
+
+  Tables() {
+    for (uint32_t n = 0; n < 256; n++) {
+      uint32_t crc = n;
+      for (int k = 0; k < 8; k++) crc = crc & 1 ? (crc >> 1) ^ kPoly : crc >> 1;
+      slice[0][n] = crc;
+    }
+    for (uint32_t n = 0; n < 256; n++) {
+      uint32_t crc = slice[0][n];
+      for (int k = 1; k < 8; k++) {
+        crc = slice[0][crc & 0xff] ^ (crc >> 8);
+        slice[k][n] = crc;
+      }
+    }
+    fill_shift_table(long_shift, kLongLane);
+    fill_shift_table(short_shift, kShortLane);
+  }
+
+  static uint32_t gf2_times(const uint32_t* matrix, uint32_t vector) {
+    uint32_t sum = 0;
+    for (; vector; vector >>= 1, matrix++)
+      if (vector & 1) sum ^= *matrix;
+    return sum;
+  }
+  static void gf2_square(uint32_t* square, const uint32_t* matrix) {
+    for (int n = 0; n < 32; n++) square[n] = gf2_times(matrix, matrix[n]);
+  }
+
+  // Operator that advances a raw CRC register over `len` zero bytes (len a power of two).
+  static void zeros_operator(uint32_t* even, size_t len) {
+    uint32_t odd[32];
+    odd[0] = kPoly;  // one zero bit
+    for (int n = 1; n < 32; n++) odd[n] = 1u << (n - 1);
+    gf2_square(even, odd);  // two bits
+    gf2_square(odd, even);  // four bits
+    for (;;) {
+      gf2_square(even, odd);  // first pass: one byte
+      len >>= 1;
+      if (len == 0) return;
+      gf2_square(odd, even);
+      len >>= 1;
+      if (len == 0) break;
+    }
+    std::memcpy(even, odd, sizeof(odd));
+  }
+
+  static void fill_shift_table(uint32_t table[4][256], size_t len) {
+    uint32_t op[32];
+    zeros_operator(op, len);
+    for (uint32_t n = 0; n < 256; n++)
+      for (int k = 0; k < 4; k++) table[k][n] = gf2_times(op, n << (8 * k));
+  }
+};
+
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+inline uint32_t shift(const uint32_t table[4][256], uint32_t crc) {
+  return table[0][crc & 0xff] ^ table[1][(crc >> 8) & 0xff] ^ table[2][(crc >> 16) & 0xff] ^
+         table[3][crc >> 24];
+}
+
+inline uint64_t load64(const unsigned char* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+inline void store64(unsigned char* p, uint64_t v) { std::memcpy(p, &v, 8); }
+
+uint32_t software_extend(uint32_t crc, const unsigned char* p, size_t n) {
+  const Tables& t = tables();
+  uint64_t c = ~crc & 0xffffffffu;
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t v = load64(p) ^ c;
+    c = t.slice[7][v & 0xff] ^ t.slice[6][(v >> 8) & 0xff] ^ t.slice[5][(v >> 16) & 0xff] ^
+        t.slice[4][(v >> 24) & 0xff] ^ t.slice[3][(v >> 32) & 0xff] ^
+        t.slice[2][(v >> 40) & 0xff] ^ t.slice[1][(v >> 48) & 0xff] ^ t.slice[0][v >> 56];
+  }
+  for (; n; n--, p++) c = t.slice[0][(c ^ *p) & 0xff] ^ (c >> 8);
+  return ~static_cast<uint32_t>(c);
+}
+
+#if defined(__x86_64__)
+// kCopy selects the fused copy: every 8-byte word is loaded once, fed to the
+// crc32 unit and stored, so the checksum costs no second pass over memory.
+// The stores are non-temporal (movnti): a snapshot is not read back soon, and
+// bypassing the cache saves the read-for-ownership of every destination line,
+// a third of a plain copy's memory traffic.
+// Processes whole blocks of three `lane`-byte lanes; advances the cursors.
+template <bool kCopy>
+__attribute__((target("sse4.2"))) void hardware_lanes(uint64_t& c0, unsigned char*& dst,
+                                                       const unsigned char*& src, size_t& n,
+                                                       size_t lane, const uint32_t table[4][256]) {
+  while (n >= 3 * lane) {
+    uint64_t c1 = 0, c2 = 0;
+    for (size_t i = 0; i < lane; i += 8) {
+      uint64_t a = load64(src + i), b = load64(src + lane + i), d = load64(src + 2 * lane + i);
+      c0 = _mm_crc32_u64(c0, a);
+      c1 = _mm_crc32_u64(c1, b);
+      c2 = _mm_crc32_u64(c2, d);
+      if (kCopy) {
+        _mm_stream_si64(reinterpret_cast<long long*>(dst + i), static_cast<long long>(a));
+        _mm_stream_si64(reinterpret_cast<long long*>(dst + lane + i), static_cast<long long>(b));
+        _mm_stream_si64(reinterpret_cast<long long*>(dst + 2 * lane + i), static_cast<long long>(d));
+      }
+    }
+    c0 = shift(table, static_cast<uint32_t>(c0)) ^ c1;
+    c0 = shift(table, static_cast<uint32_t>(c0)) ^ c2;
+    src += 3 * lane;
+    if (kCopy) dst += 3 * lane;
+    n -= 3 * lane;
+  }
+}
+
+template <bool kCopy>
+__attribute__((target("sse4.2"))) uint32_t hardware_extend(uint32_t crc, unsigned char* dst,
+                                                            const unsigned char* src, size_t n) {
+  const Tables& t = tables();
+  uint64_t c0 = ~crc & 0xffffffffu;
+  hardware_lanes<kCopy>(c0, dst, src, n, kLongLane, t.long_shift);
+  hardware_lanes<kCopy>(c0, dst, src, n, kShortLane, t.short_shift);
+  for (; n >= 8; n -= 8, src += 8) {
+    uint64_t v = load64(src);
+    c0 = _mm_crc32_u64(c0, v);
+    if (kCopy) {
+      store64(dst, v);
+      dst += 8;
+    }
+  }
+  for (; n; n--, src++) {
+    c0 = _mm_crc32_u8(static_cast<uint32_t>(c0), *src);
+    if (kCopy) *dst++ = *src;
+  }
+  if (kCopy) _mm_sfence();  // streamed stores are weakly ordered: publish them before returning
+  return ~static_cast<uint32_t>(c0);
+}
+
+bool cpu_has_crc32() {
+  static const bool has = __builtin_cpu_supports("sse4.2");
+  return has;
+}
+#else
+bool cpu_has_crc32() { return false; }
+#endif
+
+bool use_hardware(Crc32cImplementation impl) {
+  if (impl == Crc32cImplementation::kSoftware) return false;
+  return cpu_has_crc32();  // kHardware on a CPU without it falls back, same result
+}
+
+}  // namespace
+
+bool crc32c_hardware_available() { return cpu_has_crc32(); }
+
+uint32_t crc32c_extend(uint32_t crc, const void* data, size_t nbytes, Crc32cImplementation impl) {
+  auto* p = static_cast<const unsigned char*>(data);
+#if defined(__x86_64__)
+  if (use_hardware(impl)) return hardware_extend<false>(crc, nullptr, p, nbytes);
+#else
+  (void)impl;
+#endif
+  return software_extend(crc, p, nbytes);
+}
+
+uint32_t crc32c_copy(void* dst, const void* src, size_t nbytes, uint32_t crc,
+                     Crc32cImplementation impl) {
+  auto* d = static_cast<unsigned char*>(dst);
+  auto* s = static_cast<const unsigned char*>(src);
+#if defined(__x86_64__)
+  if (use_hardware(impl)) return hardware_extend<true>(crc, d, s, nbytes);
+#else
+  (void)impl;
+#endif
+  std::memcpy(d, s, nbytes);
+  return software_extend(crc, d, nbytes);
+}
+
+}  // namespace peerstate

@@ -1,0 +1,601 @@
+#include "core/snapshot_store.h"
+
+#include "core/memory_copy.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <set>
+#include <string>
+
+namespace peerstate {
+namespace {
+
+constexpr size_t kAlignment = 64;
+
+size_t align_up(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
+
+std::string device_name(int device) {
+  return device == kHostDevice ? std::string("host") : "cuda:" + std::to_string(device);
+}
+
+std::string hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "0x%08x", v);
+  return buf;
+}
+
+}  // namespace
+
+struct SnapshotStore::Slot {
+  enum class State { kEmpty, kInFlight, kCommitted };
+  State state = State::kEmpty;
+  int64_t version = -1;
+  std::shared_ptr<const Layout> layout;
+  std::vector<uint32_t> checksums;
+  HostRegion region;
+  bool pinned = false;
+};
+
+struct SnapshotStore::InFlight {
+  size_t slot = 0;
+  int64_t version = -1;
+  std::shared_ptr<const Layout> layout;
+  std::vector<const unsigned char*> sources;  // live pointer of each layout buffer
+  std::shared_ptr<ThreadPool::Job> job;  // set right after submission
+  std::atomic<bool> cancelled{false};
+  std::atomic<bool> finished{false};
+  std::mutex mutex;
+  Status error;  // the first chunk failure
+
+  void record(Status st) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (error.ok()) error = std::move(st);
+  }
+};
+
+std::string Layout::difference(const Layout& other) const {
+  if (buffers.size() != other.buffers.size())
+    return "it holds " + std::to_string(buffers.size()) + " buffers, the registration has " +
+           std::to_string(other.buffers.size());
+  for (size_t i = 0; i < buffers.size(); i++) {
+    const BufferPlacement& a = buffers[i];
+    const BufferPlacement& b = other.buffers[i];
+    if (a.name != b.name)
+      return "buffer #" + std::to_string(i) + " is '" + a.name + "' there and '" + b.name +
+             "' now";
+    if (a.nbytes != b.nbytes)
+      return "buffer '" + a.name + "' had " + std::to_string(a.nbytes) + " bytes and now has " +
+             std::to_string(b.nbytes);
+    if (a.device != b.device)
+      return "buffer '" + a.name + "' was on " + device_name(a.device) + " and is now on " +
+             device_name(b.device);
+  }
+  return "";
+}
+
+SnapshotStore::SnapshotStore(const SnapshotStoreOptions& options) : options_(options) {}
+
+Status SnapshotStore::create(const SnapshotStoreOptions& options,
+                             std::unique_ptr<SnapshotStore>* out) {
+  SnapshotStoreOptions o = options;
+  if (o.max_versions < 2)
+    return Status(StatusCode::kInvalidArgument,
+                  "max_versions must be at least 2 (got " + std::to_string(o.max_versions) +
+                      "): the last committed version must survive while the next is taken");
+  if (o.chunk_bytes < kAlignment)
+    return Status(StatusCode::kInvalidArgument, "chunk_bytes must be at least " +
+                                                    std::to_string(kAlignment) + " (got " +
+                                                    std::to_string(o.chunk_bytes) + ")");
+  if (o.threads == 0) o.threads = available_cores();
+  if (o.budget_bytes == 0) o.budget_bytes = physical_memory_bytes() / 2;
+  std::unique_ptr<SnapshotStore> store(new SnapshotStore(o));
+  store->pool_.reset(new ThreadPool(o.threads));
+  for (size_t i = 0; i < o.max_versions; i++) store->slots_.emplace_back(new Slot());
+  store->layout_ = std::make_shared<Layout>();
+  *out = std::move(store);
+  return Status::Ok();
+}
+
+SnapshotStore::~SnapshotStore() { (void)close(); }
+
+Status SnapshotStore::ensure_device_engine() {
+  if (device_) return Status::Ok();
+  return DeviceCopyEngine::create(&device_);
+}
+
+Status SnapshotStore::build_layout(const std::vector<BufferRegistration>& buffers,
+                                   Layout* out) const {
+  Layout layout;
+  std::vector<size_t> order(buffers.size());
+  for (size_t i = 0; i < order.size(); i++) order[i] = i;
+  // Host first, then each device: a chunk never mixes memory kinds.
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return buffers[a].device < buffers[b].device; });
+
+  size_t offset = 0;
+  ChunkPlacement chunk;
+  bool open = false;
+  auto close_chunk = [&] {
+    if (open && chunk.segment_count > 0) {
+      chunk.nbytes = offset - chunk.offset;
+      layout.chunks.push_back(chunk);
+    }
+    open = false;
+  };
+  auto open_chunk = [&](int device) {
+    close_chunk();
+    chunk = ChunkPlacement();
+    chunk.offset = offset;
+    chunk.device = device;
+    chunk.first_segment = static_cast<uint32_t>(layout.segments.size());
+    open = true;
+  };
+
+  for (size_t index : order) {
+    const BufferRegistration& b = buffers[index];
+    offset = align_up(offset);
+    if (!open || chunk.device != b.device) open_chunk(b.device);
+    BufferPlacement placement{b.name, b.nbytes, b.device, offset};
+    const uint32_t buffer_index = static_cast<uint32_t>(layout.buffers.size());
+    layout.buffers.push_back(placement);
+    layout.has_device_buffers |= b.device != kHostDevice;
+    size_t done = 0;
+    while (done < b.nbytes) {
+      if (offset - chunk.offset >= options_.chunk_bytes) open_chunk(b.device);
+      size_t take = std::min(b.nbytes - done, options_.chunk_bytes - (offset - chunk.offset));
+      layout.segments.push_back(Segment{buffer_index, done, offset, take});
+      chunk.segment_count++;
+      offset += take;
+      done += take;
+    }
+  }
+  close_chunk();
+  layout.region_bytes = align_up(offset);
+  *out = std::move(layout);
+  return Status::Ok();
+}
+
+Status SnapshotStore::register_buffers(const std::vector<BufferRegistration>& buffers) {
+  if (closed_) return Status(StatusCode::kInvalidArgument, "the snapshot store is closed");
+  if (in_flight_version() >= 0)
+    return Status(StatusCode::kBusy, "cannot change the registration while version " +
+                                         std::to_string(in_flight_version()) +
+                                         " is in flight; call wait() first");
+  std::set<std::string> seen;
+  for (const BufferRegistration& b : buffers) {
+    if (b.name.empty())
+      return Status(StatusCode::kInvalidArgument, "a buffer name must not be empty");
+    if (!seen.insert(b.name).second)
+      return Status(StatusCode::kInvalidArgument,
+                    "buffer '" + b.name + "' appears twice in one registration");
+    if (b.nbytes > 0 && b.ptr == nullptr)
+      return Status(StatusCode::kInvalidArgument,
+                    "buffer '" + b.name + "' has " + std::to_string(b.nbytes) +
+                        " bytes but a null pointer");
+    if (b.device < kHostDevice)
+      return Status(StatusCode::kInvalidArgument,
+                    "buffer '" + b.name + "' has device " + std::to_string(b.device) +
+                        "; use -1 for host memory or a CUDA device index");
+    if (b.device != kHostDevice) {
+      Status st = ensure_device_engine();
+      if (!st.ok())
+        return Status(st.code(), "cannot register device buffer '" + b.name + "': " + st.message());
+    }
+  }
+
+  std::vector<BufferRegistration> next = registered_;
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < next.size(); i++) index[next[i].name] = i;
+  for (const BufferRegistration& b : buffers) {
+    auto it = index.find(b.name);
+    if (it != index.end()) {
+      next[it->second] = b;
+    } else {
+      index[b.name] = next.size();
+      next.push_back(b);
+    }
+  }
+  auto layout = std::make_shared<Layout>();
+  PEERSTATE_RETURN_IF_ERROR(build_layout(next, layout.get()));
+  const size_t need = layout->region_bytes * options_.max_versions;
+  if (need > options_.budget_bytes)
+    return Status(StatusCode::kBudgetExceeded,
+                  "registering these buffers needs " + std::to_string(layout->region_bytes) +
+                      " bytes per version x " + std::to_string(options_.max_versions) +
+                      " versions = " + std::to_string(need) +
+                      " bytes of snapshot memory, over the budget of " +
+                      std::to_string(options_.budget_bytes) +
+                      " bytes; raise budget_bytes, lower max_versions (at least 2), or "
+                      "register less state. Nothing was registered.");
+  set_registration(std::move(next), std::move(layout));
+  return Status::Ok();
+}
+
+void SnapshotStore::set_registration(std::vector<BufferRegistration> buffers,
+                                     std::shared_ptr<const Layout> layout) {
+  std::map<std::string, unsigned char*> by_name;
+  for (const BufferRegistration& b : buffers) by_name[b.name] = static_cast<unsigned char*>(b.ptr);
+  live_ptrs_.clear();
+  for (const BufferPlacement& p : layout->buffers) live_ptrs_.push_back(by_name[p.name]);
+  registered_ = std::move(buffers);
+  layout_ = std::move(layout);
+}
+
+Status SnapshotStore::unregister(const std::vector<std::string>& names) {
+  if (in_flight_version() >= 0)
+    return Status(StatusCode::kBusy, "cannot change the registration while version " +
+                                         std::to_string(in_flight_version()) +
+                                         " is in flight; call wait() first");
+  const std::set<std::string> remove(names.begin(), names.end());
+  std::set<std::string> present;
+  for (const BufferRegistration& r : registered_)
+    if (remove.count(r.name)) present.insert(r.name);
+  for (const std::string& name : names)
+    if (!present.count(name))
+      return Status(StatusCode::kNotFound,
+                    "no buffer named '" + name + "' is registered; nothing was unregistered");
+  std::vector<BufferRegistration> next;
+  for (const BufferRegistration& r : registered_)
+    if (!remove.count(r.name)) next.push_back(r);
+  auto layout = std::make_shared<Layout>();
+  PEERSTATE_RETURN_IF_ERROR(build_layout(next, layout.get()));
+  set_registration(std::move(next), std::move(layout));
+  return Status::Ok();
+}
+
+Status SnapshotStore::prepare_region(Slot& slot, const Layout& layout) {
+  const bool want_pinned = layout.has_device_buffers;
+  if (slot.region.size() >= layout.region_bytes && slot.region.data() != nullptr &&
+      slot.pinned == want_pinned)
+    return Status::Ok();
+  if (slot.pinned) {
+    PEERSTATE_RETURN_IF_ERROR(device_->unpin(slot.region.data()));
+    slot.pinned = false;
+  }
+  PEERSTATE_RETURN_IF_ERROR(slot.region.allocate(layout.region_bytes));
+  if (want_pinned) {
+    PEERSTATE_RETURN_IF_ERROR(device_->pin(slot.region.data(), slot.region.size()));
+    slot.pinned = true;
+  }
+  return Status::Ok();
+}
+
+Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream) {
+  if (closed_) return Status(StatusCode::kInvalidArgument, "the snapshot store is closed");
+  PEERSTATE_RETURN_IF_ERROR(wait());
+  if (layout_->buffers.empty())
+    return Status(StatusCode::kInvalidArgument,
+                  "nothing is registered; register buffers before taking a snapshot");
+  if (version < 0)
+    return Status(StatusCode::kInvalidArgument,
+                  "version must be a step number >= 0 (got " + std::to_string(version) + ")");
+
+  size_t target = slots_.size();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t newest = -1;
+    for (const auto& s : slots_)
+      if (s->state == Slot::State::kCommitted) newest = std::max(newest, s->version);
+    if (version <= newest)
+      return Status(StatusCode::kInvalidArgument,
+                    "version " + std::to_string(version) + " is not newer than committed version " +
+                        std::to_string(newest) +
+                        "; versions are step numbers and must increase (restore() rolls back)");
+    for (size_t i = 0; i < slots_.size(); i++) {
+      const Slot& s = *slots_[i];
+      if (s.state == Slot::State::kEmpty) {
+        target = i;
+        break;
+      }
+      if (target == slots_.size() || s.version < slots_[target]->version) target = i;
+    }
+    slots_[target]->state = Slot::State::kInFlight;  // reserve it
+  }
+  Slot& slot = *slots_[target];
+  auto fail = [&](Status st) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    slot.state = Slot::State::kEmpty;
+    return st;
+  };
+
+  const std::shared_ptr<const Layout> layout = layout_;
+  Status st = prepare_region(slot, *layout);
+  if (!st.ok()) return fail(st);
+  slot.version = version;
+  slot.layout = layout;
+  slot.checksums.assign(options_.checksums ? layout->chunks.size() : 0, 0);
+
+  auto job = std::make_shared<InFlight>();
+  job->slot = target;
+  job->version = version;
+  job->layout = layout;
+  job->sources.assign(live_ptrs_.begin(), live_ptrs_.end());
+
+  if (layout->has_device_buffers) {
+    // Device chunks are queued on the copy stream now; the pool's workers only
+    // wait for each chunk's event and checksum the landed bytes.
+    st = device_->reserve_tickets(layout->chunks.size());
+    std::set<int> ordered;
+    std::vector<DeviceCopy> copies;
+    for (size_t c = 0; st.ok() && c < layout->chunks.size(); c++) {
+      const ChunkPlacement& chunk = layout->chunks[c];
+      if (chunk.device == kHostDevice) continue;
+      if (ordered.insert(chunk.device).second) st = device_->order_after_stream(chunk.device, after_stream);
+      if (!st.ok()) break;
+      copies.clear();
+      for (uint32_t s = 0; s < chunk.segment_count; s++) {
+        const Segment& seg = layout->segments[chunk.first_segment + s];
+        copies.push_back(DeviceCopy{slot.region.data() + seg.region_offset,
+                                    const_cast<unsigned char*>(job->sources[seg.buffer]) + seg.buffer_offset,
+                                    seg.nbytes});
+      }
+      st = device_->begin_to_host(chunk.device, copies.data(), copies.size(), c);
+    }
+    if (!st.ok()) {
+      for (size_t c = 0; c < layout->chunks.size(); c++)
+        if (layout->chunks[c].device != kHostDevice) (void)device_->wait_to_host(c);
+      return fail(st);
+    }
+  }
+
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    in_flight_ = job;
+  }
+  InFlight* raw = job.get();
+  job->job = pool_->submit(
+      layout->chunks.size(), [this, raw](size_t c) { copy_chunk_to_region(*raw, c); },
+      [this, raw] { finish_in_flight(*raw); });
+  return Status::Ok();
+}
+
+void SnapshotStore::copy_chunk_to_region(InFlight& job, size_t c) {
+  Slot& slot = *slots_[job.slot];
+  const Layout& layout = *job.layout;
+  const ChunkPlacement& chunk = layout.chunks[c];
+  unsigned char* region = slot.region.data();
+  uint32_t crc = 0;
+  if (job.cancelled.load(std::memory_order_acquire)) return;
+  if (chunk.device == kHostDevice) {
+    for (uint32_t s = 0; s < chunk.segment_count; s++) {
+      const Segment& seg = layout.segments[chunk.first_segment + s];
+      const unsigned char* src = job.sources[seg.buffer] + seg.buffer_offset;
+      if (options_.checksums)
+        crc = crc32c_copy(region + seg.region_offset, src, seg.nbytes, crc);
+      else
+        copy_streaming(region + seg.region_offset, src, seg.nbytes);
+    }
+  } else {
+    Status st = device_->wait_to_host(c);
+    if (!st.ok()) return job.record(st);
+    if (options_.checksums)
+      for (uint32_t s = 0; s < chunk.segment_count; s++) {
+        const Segment& seg = layout.segments[chunk.first_segment + s];
+        crc = crc32c_extend(crc, region + seg.region_offset, seg.nbytes);
+      }
+  }
+  if (options_.checksums) slot.checksums[c] = crc;
+}
+
+void SnapshotStore::finish_in_flight(InFlight& job) {
+  bool keep;
+  {
+    std::lock_guard<std::mutex> lock(job.mutex);
+    keep = job.error.ok() && !job.cancelled.load(std::memory_order_acquire);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  Slot& slot = *slots_[job.slot];
+  slot.state = keep ? Slot::State::kCommitted : Slot::State::kEmpty;
+  job.finished.store(true, std::memory_order_release);
+}
+
+Status SnapshotStore::wait() {
+  std::shared_ptr<InFlight> job;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job = in_flight_;
+  }
+  if (!job) return Status::Ok();
+  job->job->wait();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (in_flight_ == job) in_flight_.reset();
+  }
+  std::lock_guard<std::mutex> lock(job->mutex);
+  if (!job->error.ok())
+    return Status(job->error.code(),
+                  "snapshot of version " + std::to_string(job->version) + " failed: " + job->error.message());
+  if (job->cancelled.load())
+    return Status(StatusCode::kAborted,
+                  "snapshot of version " + std::to_string(job->version) + " was cancelled");
+  return Status::Ok();
+}
+
+void SnapshotStore::cancel_in_flight() {
+  std::shared_ptr<InFlight> job;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job = std::move(in_flight_);
+  }
+  if (!job) return;
+  job->cancelled.store(true, std::memory_order_release);
+  job->job->cancel();
+  job->job->wait();
+  // Skipped device chunks may still be landing in the slot's region: drain them
+  // before anyone reuses it.
+  for (size_t c = 0; c < job->layout->chunks.size(); c++)
+    if (job->layout->chunks[c].device != kHostDevice) (void)device_->wait_to_host(c);
+  std::lock_guard<std::mutex> lock(mutex_);
+  slots_[job->slot]->state = Slot::State::kEmpty;
+}
+
+Status SnapshotStore::verify(const Slot& slot) {
+  if (slot.checksums.empty()) return Status::Ok();
+  const Layout& layout = *slot.layout;
+  std::mutex mutex;
+  size_t bad = layout.chunks.size();
+  uint32_t bad_crc = 0;
+  pool_->run(layout.chunks.size(), [&](size_t c) {
+    const ChunkPlacement& chunk = layout.chunks[c];
+    uint32_t crc = 0;
+    for (uint32_t s = 0; s < chunk.segment_count; s++) {
+      const Segment& seg = layout.segments[chunk.first_segment + s];
+      crc = crc32c_extend(crc, slot.region.data() + seg.region_offset, seg.nbytes);
+    }
+    if (crc != slot.checksums[c]) {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (c < bad) {
+        bad = c;
+        bad_crc = crc;
+      }
+    }
+  });
+  if (bad == layout.chunks.size()) return Status::Ok();
+  const ChunkPlacement& chunk = layout.chunks[bad];
+  std::string names;
+  for (uint32_t s = 0; s < chunk.segment_count && s < 4; s++)
+    names += (s ? ", '" : "'") + layout.buffers[layout.segments[chunk.first_segment + s].buffer].name + "'";
+  if (chunk.segment_count > 4) names += ", ...";
+  return Status(StatusCode::kChecksumMismatch,
+                "version " + std::to_string(slot.version) + " is corrupt: chunk " +
+                    std::to_string(bad) + " (bytes " + std::to_string(chunk.offset) + ".." +
+                    std::to_string(chunk.offset + chunk.nbytes) + " of the snapshot, buffers " +
+                    names + ") has CRC32C " + hex32(bad_crc) + " but " +
+                    hex32(slot.checksums[bad]) +
+                    " was recorded when it was taken. The live buffers were not changed; "
+                    "restore another version or pull this one from a replica.");
+}
+
+Status SnapshotStore::copy_region_to_buffers(const Slot& slot) {
+  const Layout& layout = *slot.layout;
+  // The caller checked that `layout` matches layout_, so live_ptrs_ lines up with it.
+  const std::vector<unsigned char*>& targets = live_ptrs_;
+  pool_->run(layout.chunks.size(), [&](size_t c) {
+    const ChunkPlacement& chunk = layout.chunks[c];
+    if (chunk.device != kHostDevice) return;
+    for (uint32_t s = 0; s < chunk.segment_count; s++) {
+      const Segment& seg = layout.segments[chunk.first_segment + s];
+      std::memcpy(targets[seg.buffer] + seg.buffer_offset, slot.region.data() + seg.region_offset,
+                  seg.nbytes);
+    }
+  });
+  std::vector<DeviceCopy> copies;
+  for (const ChunkPlacement& chunk : layout.chunks) {
+    if (chunk.device == kHostDevice) continue;
+    copies.clear();
+    for (uint32_t s = 0; s < chunk.segment_count; s++) {
+      const Segment& seg = layout.segments[chunk.first_segment + s];
+      copies.push_back(DeviceCopy{slot.region.data() + seg.region_offset,
+                                  targets[seg.buffer] + seg.buffer_offset, seg.nbytes});
+    }
+    PEERSTATE_RETURN_IF_ERROR(device_->to_device(chunk.device, copies.data(), copies.size()));
+  }
+  return Status::Ok();
+}
+
+Status SnapshotStore::restore(int64_t version) {
+  if (closed_) return Status(StatusCode::kInvalidArgument, "the snapshot store is closed");
+  Slot* slot = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::string committed;
+    for (const auto& s : slots_) {
+      if (s->state == Slot::State::kCommitted && s->version == version) slot = s.get();
+      if (s->state == Slot::State::kCommitted)
+        committed += (committed.empty() ? "" : ", ") + std::to_string(s->version);
+      if (s->state == Slot::State::kInFlight && s->version == version)
+        return Status(StatusCode::kNotFound,
+                      "version " + std::to_string(version) +
+                          " is still in flight, not committed; wait() for it first");
+    }
+    if (slot == nullptr)
+      return Status(StatusCode::kNotFound,
+                    "version " + std::to_string(version) + " is not a committed snapshot (committed: " +
+                        (committed.empty() ? std::string("none") : committed) + ")");
+  }
+  std::string diff = slot->layout->difference(*layout_);
+  if (!diff.empty())
+    return Status(StatusCode::kRegistrationMismatch,
+                  "version " + std::to_string(version) +
+                      " does not match the registered buffers: " + diff +
+                      ". Register the same buffers (names, sizes, devices) to restore it; the "
+                      "live buffers were not changed.");
+  PEERSTATE_RETURN_IF_ERROR(verify(*slot));
+  cancel_in_flight();
+  Status st = copy_region_to_buffers(*slot);
+  if (!st.ok())
+    return Status(st.code(), "restore of version " + std::to_string(version) +
+                                 " failed part way; the registered buffers are inconsistent: " +
+                                 st.message());
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& s : slots_)
+    if (s->state == Slot::State::kCommitted && s->version > version) s->state = Slot::State::kEmpty;
+  return Status::Ok();
+}
+
+Status SnapshotStore::close() {
+  if (closed_) return Status::Ok();
+  cancel_in_flight();
+  closed_ = true;
+  Status result;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& s : slots_) {
+    if (s->pinned) {
+      Status st = device_->unpin(s->region.data());
+      if (result.ok()) result = st;
+      s->pinned = false;
+    }
+    s->region.release();
+    s->state = Slot::State::kEmpty;
+  }
+  return result;
+}
+
+std::vector<int64_t> SnapshotStore::committed_versions() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> out;
+  for (const auto& s : slots_)
+    if (s->state == Slot::State::kCommitted) out.push_back(s->version);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+int64_t SnapshotStore::in_flight_version() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (in_flight_ && !in_flight_->finished.load(std::memory_order_acquire)) return in_flight_->version;
+  return -1;
+}
+
+MemoryReport SnapshotStore::memory() const {
+  MemoryReport r;
+  for (const BufferRegistration& b : registered_) r.registered_bytes += b.nbytes;
+  r.bytes_per_version = layout_->region_bytes;
+  r.budget_bytes = options_.budget_bytes;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& s : slots_) {
+    r.held_bytes += s->region.size();
+    if (s->state != Slot::State::kEmpty) r.versions.emplace_back(s->version, s->region.size());
+  }
+  return r;
+}
+
+Status SnapshotStore::view(int64_t version, VersionView* out) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& s : slots_) {
+    if (s->state != Slot::State::kCommitted || s->version != version) continue;
+    out->version = version;
+    out->layout = s->layout;
+    out->checksums = s->checksums;
+    out->data = s->region.data();
+    out->mutable_data = s->region.data();
+    out->nbytes = s->layout->region_bytes;
+    return Status::Ok();
+  }
+  return Status(StatusCode::kNotFound,
+                "version " + std::to_string(version) + " is not a committed snapshot");
+}
+
+}  // namespace peerstate

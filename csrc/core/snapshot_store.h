@@ -1,0 +1,189 @@
+// SnapshotStore: versioned, checksummed in-memory copies of a rank's buffers.
+//
+// The store copies a fixed set of registered buffers (host or CUDA device
+// memory, any dtype, treated as bytes) into host memory it owns, one "version"
+// per snapshot, and copies a committed version back on restore.
+//
+// Layout. Registered buffers are laid end to end (64-byte aligned) in a
+// per-version host region and cut into chunks of at most `chunk_bytes`; many
+// small buffers share a chunk, a large one spans several. Host and device
+// buffers never share a chunk. Each chunk carries a CRC32C of its bytes; the
+// chunk is also the unit of replication to peers.
+//
+// Versions. A version is the training step whose optimizer update it follows;
+// versions must increase. The store keeps `max_versions` slots (at least 2):
+// the newest committed version is never overwritten by the next snapshot, so
+// it stays restorable while that snapshot is in flight. At most one version is
+// in flight. A version commits only when every chunk was copied (and, with
+// checksums on, checksummed); a failed or cancelled version never becomes
+// visible.
+//
+// Threading. Mutating calls (register_buffers, unregister, snapshot, wait,
+// restore, close) must come from one thread at a time; the copies themselves
+// run on the store's thread pool. Query calls may come from any thread.
+//
+// Memory. Registered buffers belong to the caller and must stay valid, and
+// unchanged in size, until unregistered or the store is closed. Snapshot
+// memory is owned by the store; its size is accounted against `budget_bytes`
+// at registration, so a budget overrun is an error then, never mid-run.
+// Regions are allocated on the first snapshot after the layout grows.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/crc32c.h"
+#include "core/device_copy.h"
+#include "core/host_memory.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+
+namespace peerstate {
+
+constexpr int kHostDevice = -1;  // `device` value of a buffer in host memory
+
+struct SnapshotStoreOptions {
+  size_t threads = 0;             // copy threads; 0 = the cores available
+  size_t chunk_bytes = 4u << 20;  // upper bound of a chunk
+  size_t max_versions = 2;        // version slots kept, >= 2
+  size_t budget_bytes = 0;        // bound on snapshot memory; 0 = half of physical memory
+  bool checksums = true;          // CRC32C per chunk on snapshot, verified on restore
+};
+
+struct BufferRegistration {
+  std::string name;
+  void* ptr = nullptr;
+  size_t nbytes = 0;
+  int device = kHostDevice;  // CUDA device index, or kHostDevice
+};
+
+// Where a buffer's bytes sit in a version's host region.
+struct BufferPlacement {
+  std::string name;
+  size_t nbytes = 0;
+  int device = kHostDevice;
+  size_t offset = 0;  // in the version's region
+};
+
+struct ChunkPlacement {
+  size_t offset = 0;  // in the version's region
+  size_t nbytes = 0;  // from `offset`, padding included
+  int device = kHostDevice;
+  uint32_t first_segment = 0;
+  uint32_t segment_count = 0;
+};
+
+// A contiguous run of one buffer's bytes inside one chunk. A chunk's checksum
+// is the CRC32C of its segments' bytes, in order (alignment padding excluded).
+struct Segment {
+  uint32_t buffer = 0;
+  size_t buffer_offset = 0;
+  size_t region_offset = 0;
+  size_t nbytes = 0;
+};
+
+struct Layout {
+  std::vector<BufferPlacement> buffers;
+  std::vector<Segment> segments;
+  std::vector<ChunkPlacement> chunks;
+  size_t region_bytes = 0;
+  bool has_device_buffers = false;
+
+  // Empty when `other` describes the same buffers (names, sizes, devices, order);
+  // else a sentence naming the first difference.
+  std::string difference(const Layout& other) const;
+};
+
+// A committed version as the store holds it: layout, checksums, and bytes.
+struct VersionView {
+  int64_t version = -1;
+  std::shared_ptr<const Layout> layout;
+  std::vector<uint32_t> checksums;  // per chunk; empty when checksums are off
+  const unsigned char* data = nullptr;
+  unsigned char* mutable_data = nullptr;  // for transports and fault-injection tests
+  size_t nbytes = 0;
+};
+
+struct MemoryReport {
+  size_t registered_bytes = 0;     // bytes of the live registration
+  size_t bytes_per_version = 0;    // region size of one version under that registration
+  size_t held_bytes = 0;           // host memory the store holds now, all slots
+  size_t budget_bytes = 0;
+  std::vector<std::pair<int64_t, size_t>> versions;  // (version, bytes) of each occupied slot
+};
+
+class SnapshotStore {
+ public:
+  static Status create(const SnapshotStoreOptions& options, std::unique_ptr<SnapshotStore>* out);
+  ~SnapshotStore();  // close(); may block until an in-flight copy drains
+  SnapshotStore(const SnapshotStore&) = delete;
+  SnapshotStore& operator=(const SnapshotStore&) = delete;
+
+  // Adds buffers, or replaces those with the same name, all or nothing.
+  // kBusy while a version is in flight; kBudgetExceeded if max_versions
+  // regions of the new layout would exceed the budget; kUnavailable for a
+  // device buffer in a build or on a machine without CUDA.
+  Status register_buffers(const std::vector<BufferRegistration>& buffers);
+  // Removes buffers by name (kNotFound names the first unknown one; nothing removed then).
+  Status unregister(const std::vector<std::string>& names);
+
+  // Starts copying every registered buffer into a free slot as `version` and
+  // returns once the copies are queued. If a version is still in flight this
+  // first waits for it (back-pressure) and returns its error, if any, without
+  // starting. `after_stream` (CUDA builds, device buffers) is a cudaStream_t
+  // whose queued work the device copies must follow; 0 means the default stream.
+  Status snapshot(int64_t version, uintptr_t after_stream = 0);
+  // Blocks until the in-flight version, if any, commits or fails; returns its outcome.
+  Status wait();
+  // Verifies every checksum of committed `version` and only then copies it into the
+  // registered buffers. An in-flight snapshot is cancelled first (it would
+  // read the buffers being overwritten) and versions newer than `version` are
+  // dropped: training resumes from `version`. On any error the registered
+  // buffers are untouched and every committed version is kept.
+  Status restore(int64_t version);
+  // Cancels the in-flight version, waits for its copies, frees all memory.
+  Status close();
+
+  std::vector<int64_t> committed_versions() const;
+  int64_t in_flight_version() const;  // -1 when none
+  MemoryReport memory() const;
+  // A committed version's bytes and layout (kNotFound otherwise). The view
+  // stays valid until the slot is reused by a later snapshot or the store closes.
+  Status view(int64_t version, VersionView* out) const;
+  const SnapshotStoreOptions& options() const { return options_; }
+
+ private:
+  struct Slot;
+  struct InFlight;
+  explicit SnapshotStore(const SnapshotStoreOptions& options);
+
+  Status build_layout(const std::vector<BufferRegistration>& buffers, Layout* out) const;
+  void set_registration(std::vector<BufferRegistration> buffers, std::shared_ptr<const Layout> layout);
+  Status ensure_device_engine();
+  Status prepare_region(Slot& slot, const Layout& layout);
+  void copy_chunk_to_region(InFlight& job, size_t chunk);
+  Status verify(const Slot& slot);
+  Status copy_region_to_buffers(const Slot& slot);
+  void finish_in_flight(InFlight& job);
+  void cancel_in_flight();
+
+  SnapshotStoreOptions options_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<DeviceCopyEngine> device_;
+
+  std::vector<BufferRegistration> registered_;
+  std::shared_ptr<const Layout> layout_;
+  std::vector<unsigned char*> live_ptrs_;  // registered pointer of each layout_ buffer
+
+  mutable std::mutex mutex_;  // guards slots_' states and in_flight_
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::shared_ptr<InFlight> in_flight_;
+  bool closed_ = false;
+};
+
+}  // namespace peerstate

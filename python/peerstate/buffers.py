@@ -1,0 +1,124 @@
+"""Turn tensors and arrays into the ``(pointer, nbytes, device)`` the core takes.
+
+Supported: ``torch.Tensor`` (CPU or CUDA), ``numpy.ndarray``, any object with
+``__cuda_array_interface__`` (cupy), and writable objects with the buffer
+protocol (``bytearray``, ``memoryview``). Memory must be contiguous and
+writable, since a restore writes into it. torch and numpy are only imported
+when such an object is passed.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from peerstate.errors import InvalidArgumentError
+
+HOST = -1
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A registered region: where it is, how big, and the object that owns it."""
+
+    ptr: int
+    nbytes: int
+    device: int  # CUDA device index, or HOST
+    owner: Any  # kept alive while registered
+
+    def moved(self) -> str | None:
+        """Why ``owner`` no longer matches this region, or None if it still does."""
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(self.owner, torch.Tensor):
+            # The hot path: one call per tensor. A tensor can only lose its memory
+            # by an in-place resize or set_(), and both change data_ptr().
+            if self.nbytes == 0 or self.owner.data_ptr() == self.ptr:
+                return None
+        now = describe("", self.owner)
+        if now.nbytes != self.nbytes:
+            return f"its size changed from {self.nbytes} to {now.nbytes} bytes"
+        if now.ptr != self.ptr:
+            return "its storage moved (it was resized or reassigned in place)"
+        return None
+
+
+def describe(name: str, obj: Any) -> Buffer:
+    """Return the Buffer for ``obj`` or raise InvalidArgumentError naming ``name``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _describe_tensor(name, obj)
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _describe_cuda_array(name, obj)
+    return _describe_host_buffer(name, obj)
+
+
+def _describe_tensor(name: str, t: Any) -> Buffer:
+    import torch
+
+    if t.layout != torch.strided:
+        raise InvalidArgumentError(
+            f"tensor '{name}' has layout {t.layout}; only dense (strided) tensors can be "
+            "registered: register its values/indices tensors instead"
+        )
+    if not t.is_contiguous():
+        raise InvalidArgumentError(
+            f"tensor '{name}' is not contiguous; snapshots copy raw bytes, so register a "
+            "contiguous tensor (e.g. keep `t = t.contiguous()` as the live tensor)"
+        )
+    if t.device.type == "cpu":
+        device = HOST
+    elif t.device.type == "cuda":
+        device = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    else:
+        raise InvalidArgumentError(
+            f"tensor '{name}' is on device '{t.device}'; peerstate snapshots CPU and CUDA tensors"
+        )
+    nbytes = t.numel() * t.element_size()
+    return Buffer(t.data_ptr() if nbytes else 0, nbytes, device, t)
+
+
+def _describe_cuda_array(name: str, a: Any) -> Buffer:
+    cai = a.__cuda_array_interface__
+    ptr, readonly = cai["data"]
+    if readonly:
+        raise InvalidArgumentError(f"CUDA array '{name}' is read-only; a restore must write into it")
+    import numpy as np
+
+    itemsize = np.dtype(cai["typestr"]).itemsize
+    count = 1
+    for extent in cai["shape"]:
+        count *= extent
+    strides = cai.get("strides")
+    if strides is not None and count > 0:
+        expected, contiguous = itemsize, True
+        for extent, stride in reversed(list(zip(cai["shape"], strides))):
+            if extent > 1 and stride != expected:
+                contiguous = False
+            expected *= extent
+        if not contiguous:
+            raise InvalidArgumentError(f"CUDA array '{name}' is not C-contiguous; register a contiguous copy")
+    device = getattr(getattr(a, "device", None), "id", None)
+    if device is None:
+        raise InvalidArgumentError(f"cannot tell which CUDA device holds array '{name}' (no .device.id)")
+    return Buffer(ptr if count else 0, count * itemsize, int(device), a)
+
+
+def _describe_host_buffer(name: str, obj: Any) -> Buffer:
+    import numpy as np
+
+    if isinstance(obj, np.ndarray):
+        array = obj
+    else:
+        try:
+            array = np.frombuffer(memoryview(obj), dtype=np.uint8)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"cannot register '{name}' of type {type(obj).__name__}: pass a torch.Tensor, "
+                "numpy.ndarray, cupy array or a writable buffer such as bytearray"
+            ) from None
+    if not array.flags.c_contiguous:
+        raise InvalidArgumentError(f"array '{name}' is not C-contiguous; register np.ascontiguousarray(a) and use that")
+    if not array.flags.writeable:
+        raise InvalidArgumentError(f"array '{name}' is read-only; a restore must write into it")
+    return Buffer(array.ctypes.data if array.nbytes else 0, array.nbytes, HOST, obj)

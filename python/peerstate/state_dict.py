@@ -1,0 +1,69 @@
+"""Register a model's and an optimizer's state with a SnapshotStore in one call.
+
+Tensors are registered as buffers, in place: ``model.state_dict()`` and
+``optimizer.state_dict()`` return the live tensors, so a snapshot copies them
+and a restore writes back into them. Non-tensor optimizer state (learning
+rates and other hyperparameters of each param group, scalar per-parameter
+state) is registered as eager Python state.
+
+Optimizer state such as Adam's moments is created lazily by the first
+``optimizer.step()``: register after it, or register again once it exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from peerstate.snapshot import SnapshotStore
+
+
+def register_training_state(
+    store: SnapshotStore,
+    model: Optional[Any] = None,
+    optimizer: Optional[Any] = None,
+    prefix: str = "",
+) -> List[str]:
+    """Register every tensor of ``model.state_dict()`` and ``optimizer.state_dict()``.
+
+    Names are ``{prefix}model/{key}``, ``{prefix}optimizer/state/{index}/{key}``
+    and ``{prefix}optimizer/param_groups``. Returns the names registered.
+    """
+    import torch
+
+    tensors = {}
+    if model is not None:
+        for key, value in model.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{prefix}model/{key}"] = value
+    names = list(tensors)
+    if optimizer is not None:
+        # Index the live state by the parameters' positions, as state_dict() does,
+        # but keep references to the live tensors rather than to a packed copy.
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        scalars = {}
+        for index, param in enumerate(params):
+            for key, value in optimizer.state.get(param, {}).items():
+                name = f"{prefix}optimizer/state/{index}/{key}"
+                if isinstance(value, torch.Tensor):
+                    tensors[name] = value
+                else:
+                    scalars[(index, key)] = value
+        names = list(tensors)
+
+        def get_groups() -> Any:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            state = {(i, k): optimizer.state[params[i]][k] for (i, k) in scalars}
+            return groups, state
+
+        def set_groups(value: Any) -> None:
+            groups, state = value
+            for group, saved in zip(optimizer.param_groups, groups):
+                group.update(saved)
+            for (i, k), v in state.items():
+                optimizer.state[params[i]][k] = v
+
+    store.register_many(tensors)
+    if optimizer is not None:
+        store.register_object(f"{prefix}optimizer/param_groups", get_groups, set_groups)
+        names.append(f"{prefix}optimizer/param_groups")
+    return names
