@@ -4,7 +4,6 @@
 #include <cstring>
 
 #if defined(__x86_64__)
-#include <emmintrin.h>
 #include <nmmintrin.h>
 #endif
 
@@ -111,7 +110,7 @@ uint32_t software_extend(uint32_t crc, const unsigned char* p, size_t n) {
 #if defined(__x86_64__)
 // kCopy selects the fused copy: every 8-byte word is loaded once, fed to the
 // crc32 unit and stored, so the checksum costs no second pass over memory.
-// The stores are non-temporal (movnti): a snapshot is not read back soon, and
+// The stores are non-temporal (movntdq): a snapshot is not read back soon, and
 // bypassing the cache saves the read-for-ownership of every destination line,
 // a third of a plain copy's memory traffic.
 // Processes whole blocks of three `lane`-byte lanes; advances the cursors.
@@ -121,15 +120,20 @@ __attribute__((target("sse4.2"))) void hardware_lanes(uint64_t& c0, unsigned cha
                                                        size_t lane, const uint32_t table[4][256]) {
   while (n >= 3 * lane) {
     uint64_t c1 = 0, c2 = 0;
-    for (size_t i = 0; i < lane; i += 8) {
-      uint64_t a = load64(src + i), b = load64(src + lane + i), d = load64(src + 2 * lane + i);
-      c0 = _mm_crc32_u64(c0, a);
-      c1 = _mm_crc32_u64(c1, b);
-      c2 = _mm_crc32_u64(c2, d);
-      if (kCopy) {
-        _mm_stream_si64(reinterpret_cast<long long*>(dst + i), static_cast<long long>(a));
-        _mm_stream_si64(reinterpret_cast<long long*>(dst + lane + i), static_cast<long long>(b));
-        _mm_stream_si64(reinterpret_cast<long long*>(dst + 2 * lane + i), static_cast<long long>(d));
+    for (size_t i = 0; i < lane; i += 16) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + lane + i));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * lane + i));
+      c0 = _mm_crc32_u64(c0, static_cast<uint64_t>(_mm_cvtsi128_si64(a)));
+      c1 = _mm_crc32_u64(c1, static_cast<uint64_t>(_mm_cvtsi128_si64(b)));
+      c2 = _mm_crc32_u64(c2, static_cast<uint64_t>(_mm_cvtsi128_si64(d)));
+      c0 = _mm_crc32_u64(c0, static_cast<uint64_t>(_mm_extract_epi64(a, 1)));
+      c1 = _mm_crc32_u64(c1, static_cast<uint64_t>(_mm_extract_epi64(b, 1)));
+      c2 = _mm_crc32_u64(c2, static_cast<uint64_t>(_mm_extract_epi64(d, 1)));
+      if (kCopy) {  // dst is 16-byte aligned here (see hardware_extend)
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + lane + i), b);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 2 * lane + i), d);
       }
     }
     c0 = shift(table, static_cast<uint32_t>(c0)) ^ c1;
@@ -145,6 +149,12 @@ __attribute__((target("sse4.2"))) uint32_t hardware_extend(uint32_t crc, unsigne
                                                             const unsigned char* src, size_t n) {
   const Tables& t = tables();
   uint64_t c0 = ~crc & 0xffffffffu;
+  if (kCopy) {  // align the destination for the streaming stores; lanes keep it aligned
+    for (size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15; head && n; head--, n--) {
+      c0 = _mm_crc32_u8(static_cast<uint32_t>(c0), *src);
+      *dst++ = *src++;
+    }
+  }
   hardware_lanes<kCopy>(c0, dst, src, n, kLongLane, t.long_shift);
   hardware_lanes<kCopy>(c0, dst, src, n, kShortLane, t.short_shift);
   for (; n >= 8; n -= 8, src += 8) {
