@@ -1,5 +1,7 @@
 #include "core/crc32c.h"
 
+#include "core/memory_copy.h"
+
 #include <array>
 #include <cstring>
 
@@ -169,7 +171,6 @@ __attribute__((target("sse4.2"))) uint32_t hardware_extend(uint32_t crc, unsigne
     c0 = _mm_crc32_u8(static_cast<uint32_t>(c0), *src);
     if (kCopy) *dst++ = *src;
   }
-  if (kCopy) _mm_sfence();  // streamed stores are weakly ordered: publish them before returning
   return ~static_cast<uint32_t>(c0);
 }
 
@@ -201,12 +202,17 @@ uint32_t crc32c_extend(uint32_t crc, const void* data, size_t nbytes, Crc32cImpl
 }
 
 uint32_t crc32c_copy(void* dst, const void* src, size_t nbytes, uint32_t crc,
-                     Crc32cImplementation impl) {
+                     Crc32cImplementation impl, bool fence) {
   auto* d = static_cast<unsigned char*>(dst);
   auto* s = static_cast<const unsigned char*>(src);
 #if defined(__x86_64__)
-  if (use_hardware(impl)) return hardware_extend<true>(crc, d, s, nbytes);
+  if (use_hardware(impl)) {
+    crc = hardware_extend<true>(crc, d, s, nbytes);
+    if (fence) store_fence();  // streamed stores are weakly ordered
+    return crc;
+  }
 #else
+  (void)fence;
   (void)impl;
 #endif
   std::memcpy(d, s, nbytes);

@@ -20,8 +20,11 @@ uint32_t crc32c_extend(uint32_t crc, const void* data, size_t nbytes,
 
 // Copies src to dst (no overlap) and returns the CRC32C of the copied bytes,
 // continued from `crc`, reading each byte once: checksumming rides on the copy.
+// The hardware path writes with non-temporal stores; with fence=false the
+// caller must call store_fence() (memory_copy.h) before other threads read dst,
+// which lets a run of small copies share one fence.
 uint32_t crc32c_copy(void* dst, const void* src, size_t nbytes, uint32_t crc,
-                     Crc32cImplementation impl = Crc32cImplementation::kAuto);
+                     Crc32cImplementation impl = Crc32cImplementation::kAuto, bool fence = true);
 
 // True when this CPU has the crc32 instruction (the kHardware path exists).
 bool crc32c_hardware_available();

