@@ -13,14 +13,6 @@
 namespace peerstate {
 namespace {
 
-constexpr size_t kAlignment = 64;
-
-size_t align_up(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
-
-std::string device_name(int device) {
-  return device == kHostDevice ? std::string("host") : "cuda:" + std::to_string(device);
-}
-
 std::string hex32(uint32_t v) {
   char buf[16];
   std::snprintf(buf, sizeof(buf), "0x%08x", v);
@@ -57,26 +49,6 @@ struct SnapshotStore::InFlight {
   }
 };
 
-std::string Layout::difference(const Layout& other) const {
-  if (buffers.size() != other.buffers.size())
-    return "it holds " + std::to_string(buffers.size()) + " buffers, the registration has " +
-           std::to_string(other.buffers.size());
-  for (size_t i = 0; i < buffers.size(); i++) {
-    const BufferPlacement& a = buffers[i];
-    const BufferPlacement& b = other.buffers[i];
-    if (a.name != b.name)
-      return "buffer #" + std::to_string(i) + " is '" + a.name + "' there and '" + b.name +
-             "' now";
-    if (a.nbytes != b.nbytes)
-      return "buffer '" + a.name + "' had " + std::to_string(a.nbytes) + " bytes and now has " +
-             std::to_string(b.nbytes);
-    if (a.device != b.device)
-      return "buffer '" + a.name + "' was on " + device_name(a.device) + " and is now on " +
-             device_name(b.device);
-  }
-  return "";
-}
-
 SnapshotStore::SnapshotStore(const SnapshotStoreOptions& options) : options_(options) {}
 
 Status SnapshotStore::create(const SnapshotStoreOptions& options,
@@ -86,9 +58,9 @@ Status SnapshotStore::create(const SnapshotStoreOptions& options,
     return Status(StatusCode::kInvalidArgument,
                   "max_versions must be at least 2 (got " + std::to_string(o.max_versions) +
                       "): the last committed version must survive while the next is taken");
-  if (o.chunk_bytes < kAlignment)
+  if (o.chunk_bytes < kLayoutAlignment)
     return Status(StatusCode::kInvalidArgument, "chunk_bytes must be at least " +
-                                                    std::to_string(kAlignment) + " (got " +
+                                                    std::to_string(kLayoutAlignment) + " (got " +
                                                     std::to_string(o.chunk_bytes) + ")");
   if (o.threads == 0) o.threads = available_cores();
   if (o.budget_bytes == 0) o.budget_bytes = physical_memory_bytes() / 2;
@@ -105,58 +77,6 @@ SnapshotStore::~SnapshotStore() { (void)close(); }
 Status SnapshotStore::ensure_device_engine() {
   if (device_) return Status::Ok();
   return DeviceCopyEngine::create(&device_);
-}
-
-Status SnapshotStore::build_layout(const std::vector<BufferRegistration>& buffers,
-                                   Layout* out) const {
-  Layout layout;
-  std::vector<size_t> order(buffers.size());
-  for (size_t i = 0; i < order.size(); i++) order[i] = i;
-  // Host first, then each device: a chunk never mixes memory kinds.
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return buffers[a].device < buffers[b].device; });
-
-  size_t offset = 0;
-  ChunkPlacement chunk;
-  bool open = false;
-  auto close_chunk = [&] {
-    if (open && chunk.segment_count > 0) {
-      chunk.nbytes = offset - chunk.offset;
-      layout.chunks.push_back(chunk);
-    }
-    open = false;
-  };
-  auto open_chunk = [&](int device) {
-    close_chunk();
-    chunk = ChunkPlacement();
-    chunk.offset = offset;
-    chunk.device = device;
-    chunk.first_segment = static_cast<uint32_t>(layout.segments.size());
-    open = true;
-  };
-
-  for (size_t index : order) {
-    const BufferRegistration& b = buffers[index];
-    offset = align_up(offset);
-    if (!open || chunk.device != b.device) open_chunk(b.device);
-    BufferPlacement placement{b.name, b.nbytes, b.device, offset};
-    const uint32_t buffer_index = static_cast<uint32_t>(layout.buffers.size());
-    layout.buffers.push_back(placement);
-    layout.has_device_buffers |= b.device != kHostDevice;
-    size_t done = 0;
-    while (done < b.nbytes) {
-      if (offset - chunk.offset >= options_.chunk_bytes) open_chunk(b.device);
-      size_t take = std::min(b.nbytes - done, options_.chunk_bytes - (offset - chunk.offset));
-      layout.segments.push_back(Segment{buffer_index, done, offset, take});
-      chunk.segment_count++;
-      offset += take;
-      done += take;
-    }
-  }
-  close_chunk();
-  layout.region_bytes = align_up(offset);
-  *out = std::move(layout);
-  return Status::Ok();
 }
 
 Status SnapshotStore::register_buffers(const std::vector<BufferRegistration>& buffers) {
@@ -200,7 +120,7 @@ Status SnapshotStore::register_buffers(const std::vector<BufferRegistration>& bu
     }
   }
   auto layout = std::make_shared<Layout>();
-  PEERSTATE_RETURN_IF_ERROR(build_layout(next, layout.get()));
+  PEERSTATE_RETURN_IF_ERROR(build_layout(next, options_.chunk_bytes, layout.get()));
   const size_t need = layout->region_bytes * options_.max_versions;
   if (need > options_.budget_bytes)
     return Status(StatusCode::kBudgetExceeded,
@@ -242,7 +162,7 @@ Status SnapshotStore::unregister(const std::vector<std::string>& names) {
   for (const BufferRegistration& r : registered_)
     if (!remove.count(r.name)) next.push_back(r);
   auto layout = std::make_shared<Layout>();
-  PEERSTATE_RETURN_IF_ERROR(build_layout(next, layout.get()));
+  PEERSTATE_RETURN_IF_ERROR(build_layout(next, options_.chunk_bytes, layout.get()));
   set_registration(std::move(next), std::move(layout));
   return Status::Ok();
 }

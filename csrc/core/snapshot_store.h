@@ -40,12 +40,11 @@
 #include "core/crc32c.h"
 #include "core/device_copy.h"
 #include "core/host_memory.h"
+#include "core/layout.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
 
 namespace peerstate {
-
-constexpr int kHostDevice = -1;  // `device` value of a buffer in host memory
 
 struct SnapshotStoreOptions {
   size_t threads = 0;             // copy threads; 0 = the cores available
@@ -53,50 +52,6 @@ struct SnapshotStoreOptions {
   size_t max_versions = 2;        // version slots kept, >= 2
   size_t budget_bytes = 0;        // bound on snapshot memory; 0 = half of physical memory
   bool checksums = true;          // CRC32C per chunk on snapshot, verified on restore
-};
-
-struct BufferRegistration {
-  std::string name;
-  void* ptr = nullptr;
-  size_t nbytes = 0;
-  int device = kHostDevice;  // CUDA device index, or kHostDevice
-};
-
-// Where a buffer's bytes sit in a version's host region.
-struct BufferPlacement {
-  std::string name;
-  size_t nbytes = 0;
-  int device = kHostDevice;
-  size_t offset = 0;  // in the version's region
-};
-
-struct ChunkPlacement {
-  size_t offset = 0;  // in the version's region
-  size_t nbytes = 0;  // from `offset`, padding included
-  int device = kHostDevice;
-  uint32_t first_segment = 0;
-  uint32_t segment_count = 0;
-};
-
-// A contiguous run of one buffer's bytes inside one chunk. A chunk's checksum
-// is the CRC32C of its segments' bytes, in order (alignment padding excluded).
-struct Segment {
-  uint32_t buffer = 0;
-  size_t buffer_offset = 0;
-  size_t region_offset = 0;
-  size_t nbytes = 0;
-};
-
-struct Layout {
-  std::vector<BufferPlacement> buffers;
-  std::vector<Segment> segments;
-  std::vector<ChunkPlacement> chunks;
-  size_t region_bytes = 0;
-  bool has_device_buffers = false;
-
-  // Empty when `other` describes the same buffers (names, sizes, devices, order);
-  // else a sentence naming the first difference.
-  std::string difference(const Layout& other) const;
 };
 
 // A committed version as the store holds it: layout, checksums, and bytes.
@@ -162,7 +117,6 @@ class SnapshotStore {
   struct InFlight;
   explicit SnapshotStore(const SnapshotStoreOptions& options);
 
-  Status build_layout(const std::vector<BufferRegistration>& buffers, Layout* out) const;
   void set_registration(std::vector<BufferRegistration> buffers, std::shared_ptr<const Layout> layout);
   Status ensure_device_engine();
   Status prepare_region(Slot& slot, const Layout& layout);
