@@ -34,6 +34,11 @@ void raise_if_error(const Status& st) {
   throw StatusException(st.code(), st.message());
 }
 
+py::object exception_object(const Status& st) {
+  if (st.ok()) return py::none();
+  return py::reinterpret_borrow<py::object>(g_exceptions[static_cast<size_t>(st.code())])(st.message());
+}
+
 void bind_errors(py::module_& m) {
   PyObject* base = new_exception(m, "Error", PyExc_Exception, "Root of every peerstate error.");
   g_exceptions.fill(base);

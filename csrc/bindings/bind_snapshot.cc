@@ -17,28 +17,7 @@ namespace py = pybind11;
 namespace peerstate::bindings {
 namespace {
 
-// Destroying a store may wait for in-flight copies: never with the GIL held.
-struct ReleaseGilDeleter {
-  void operator()(SnapshotStore* store) const {
-    if (PyGILState_Check()) {
-      py::gil_scoped_release release;
-      delete store;
-    } else {
-      delete store;
-    }
-  }
-};
 using StoreHolder = std::unique_ptr<SnapshotStore, ReleaseGilDeleter>;
-
-template <typename Fn>
-void call_without_gil(Fn&& fn) {
-  Status st;
-  {
-    py::gil_scoped_release release;
-    st = fn();
-  }
-  raise_if_error(st);
-}
 
 Crc32cImplementation parse_implementation(const std::string& name) {
   if (name == "auto") return Crc32cImplementation::kAuto;
@@ -58,6 +37,7 @@ py::dict version_dict(const VersionView& v) {
   py::dict d;
   d["version"] = v.version;
   d["nbytes"] = v.nbytes;
+  d["chunk_bytes"] = v.layout->chunk_bytes;
   d["buffers"] = buffers;
   d["chunks"] = chunks;
   d["checksums"] = v.checksums;

@@ -10,8 +10,37 @@ namespace peerstate::bindings {
 // Raises the peerstate.Error subclass that matches st.code() (no-op when ok).
 // Call with the GIL held, i.e. after a gil_scoped_release has ended.
 void raise_if_error(const Status& st);
+// The exception object st would raise (None when ok), for results that report
+// several outcomes at once.
+pybind11::object exception_object(const Status& st);
+
+// Deletes a native object without the GIL: destructors that join threads or
+// wait for copies must not block other Python threads.
+struct ReleaseGilDeleter {
+  template <typename T>
+  void operator()(T* object) const {
+    if (PyGILState_Check()) {
+      pybind11::gil_scoped_release release;
+      delete object;
+    } else {
+      delete object;
+    }
+  }
+};
+
+// Runs fn() (returning Status) with the GIL released, then raises its error.
+template <typename Fn>
+void call_without_gil(Fn&& fn) {
+  Status st;
+  {
+    pybind11::gil_scoped_release release;
+    st = fn();
+  }
+  raise_if_error(st);
+}
 
 void bind_errors(pybind11::module_& m);
 void bind_snapshot(pybind11::module_& m);
+void bind_replication(pybind11::module_& m);
 
 }  // namespace peerstate::bindings

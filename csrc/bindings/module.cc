@@ -5,4 +5,5 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "peerstate native core (see peerstate/_C.pyi)";
   peerstate::bindings::bind_errors(m);
   peerstate::bindings::bind_snapshot(m);
+  peerstate::bindings::bind_replication(m);
 }

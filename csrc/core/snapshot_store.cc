@@ -184,6 +184,29 @@ Status SnapshotStore::prepare_region(Slot& slot, const Layout& layout) {
   return Status::Ok();
 }
 
+Status SnapshotStore::reserve_slot(int64_t version, size_t* slot) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t newest = -1;
+  for (const auto& s : slots_)
+    if (s->state == Slot::State::kCommitted) newest = std::max(newest, s->version);
+  if (version <= newest)
+    return Status(StatusCode::kInvalidArgument,
+                  "version " + std::to_string(version) + " is not newer than committed version " +
+                      std::to_string(newest) + "; versions are step numbers and must increase (restore() rolls back)");
+  size_t target = slots_.size();
+  for (size_t i = 0; i < slots_.size(); i++) {
+    const Slot& s = *slots_[i];
+    if (s.state == Slot::State::kEmpty) {
+      target = i;
+      break;
+    }
+    if (target == slots_.size() || s.version < slots_[target]->version) target = i;
+  }
+  slots_[target]->state = Slot::State::kInFlight;
+  *slot = target;
+  return Status::Ok();
+}
+
 Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream) {
   if (closed_) return Status(StatusCode::kInvalidArgument, "the snapshot store is closed");
   PEERSTATE_RETURN_IF_ERROR(wait());
@@ -194,27 +217,8 @@ Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream) {
     return Status(StatusCode::kInvalidArgument,
                   "version must be a step number >= 0 (got " + std::to_string(version) + ")");
 
-  size_t target = slots_.size();
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    int64_t newest = -1;
-    for (const auto& s : slots_)
-      if (s->state == Slot::State::kCommitted) newest = std::max(newest, s->version);
-    if (version <= newest)
-      return Status(StatusCode::kInvalidArgument,
-                    "version " + std::to_string(version) + " is not newer than committed version " +
-                        std::to_string(newest) +
-                        "; versions are step numbers and must increase (restore() rolls back)");
-    for (size_t i = 0; i < slots_.size(); i++) {
-      const Slot& s = *slots_[i];
-      if (s.state == Slot::State::kEmpty) {
-        target = i;
-        break;
-      }
-      if (target == slots_.size() || s.version < slots_[target]->version) target = i;
-    }
-    slots_[target]->state = Slot::State::kInFlight;  // reserve it
-  }
+  size_t target = 0;
+  PEERSTATE_RETURN_IF_ERROR(reserve_slot(version, &target));
   Slot& slot = *slots_[target];
   auto fail = [&](Status st) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -530,6 +534,9 @@ MemoryReport SnapshotStore::memory() const {
 
 Status SnapshotStore::view(int64_t version, VersionView* out) const {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (version < 0)
+    for (const auto& s : slots_)
+      if (s->state == Slot::State::kCommitted) version = std::max(version, s->version);
   for (const auto& s : slots_) {
     if (s->state != Slot::State::kCommitted || s->version != version) continue;
     out->version = version;
@@ -540,8 +547,48 @@ Status SnapshotStore::view(int64_t version, VersionView* out) const {
     out->nbytes = s->layout->region_bytes;
     return Status::Ok();
   }
-  return Status(StatusCode::kNotFound,
-                "version " + std::to_string(version) + " is not a committed snapshot");
+  return Status(StatusCode::kNotFound, version < 0 ? std::string("no committed snapshot here")
+                                                  : "version " + std::to_string(version) + " is not a committed snapshot");
+}
+
+Status SnapshotStore::begin_receive(int64_t version, std::shared_ptr<const Layout> layout, unsigned char** region) {
+  if (closed_) return Status(StatusCode::kInvalidArgument, "the snapshot store is closed");
+  PEERSTATE_RETURN_IF_ERROR(wait());
+  std::string diff = layout->difference(*layout_);
+  if (!diff.empty())
+    return Status(StatusCode::kRegistrationMismatch,
+                  "the incoming version " + std::to_string(version) + " does not match the registered buffers: " +
+                      diff + ". Register the same buffers (names, sizes, devices) as the rank it came from.");
+  if (layout->region_bytes * options_.max_versions > options_.budget_bytes)
+    return Status(StatusCode::kBudgetExceeded, "the incoming version needs " + std::to_string(layout->region_bytes) +
+                                                   " bytes per version, over this store's budget");
+  size_t target = 0;
+  PEERSTATE_RETURN_IF_ERROR(reserve_slot(version, &target));
+  Slot& slot = *slots_[target];
+  Status st = prepare_region(slot, *layout);
+  if (!st.ok()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    slot.state = Slot::State::kEmpty;
+    return st;
+  }
+  slot.version = version;
+  slot.layout = std::move(layout);
+  slot.checksums.clear();
+  *region = slot.region.data();
+  return Status::Ok();
+}
+
+Status SnapshotStore::end_receive(int64_t version, const std::vector<uint32_t>& checksums, bool ok) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& s : slots_) {
+    if (s->state != Slot::State::kInFlight || s->version != version || in_flight_) continue;
+    if (ok && checksums.size() != s->layout->chunks.size())
+      return Status(StatusCode::kInvalidArgument, "end_receive needs one checksum per chunk");
+    s->checksums = checksums;
+    s->state = ok ? Slot::State::kCommitted : Slot::State::kEmpty;
+    return Status::Ok();
+  }
+  return Status(StatusCode::kNotFound, "no version " + std::to_string(version) + " is being received");
 }
 
 }  // namespace peerstate

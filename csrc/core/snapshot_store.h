@@ -107,9 +107,20 @@ class SnapshotStore {
   std::vector<int64_t> committed_versions() const;
   int64_t in_flight_version() const;  // -1 when none
   MemoryReport memory() const;
-  // A committed version's bytes and layout (kNotFound otherwise). The view
-  // stays valid until the slot is reused by a later snapshot or the store closes.
+  // A committed version's bytes and layout (`version` -1: the newest; kNotFound
+  // otherwise). The view stays valid until the slot is reused by a later
+  // snapshot or the store closes.
   Status view(int64_t version, VersionView* out) const;
+
+  // Receiving a version from a peer instead of copying it from the buffers:
+  // begin_receive() reserves a slot for `version` laid out as `layout` (which
+  // must match the registration: kRegistrationMismatch) and returns its region
+  // for a transport to fill; end_receive(true) commits it with `checksums`
+  // (the caller verified every chunk), end_receive(false) drops it. Like
+  // snapshot(), at most one version is in flight, and the newest committed
+  // version is never the slot given out.
+  Status begin_receive(int64_t version, std::shared_ptr<const Layout> layout, unsigned char** region);
+  Status end_receive(int64_t version, const std::vector<uint32_t>& checksums, bool ok);
   const SnapshotStoreOptions& options() const { return options_; }
 
  private:
@@ -120,6 +131,7 @@ class SnapshotStore {
   void set_registration(std::vector<BufferRegistration> buffers, std::shared_ptr<const Layout> layout);
   Status ensure_device_engine();
   Status prepare_region(Slot& slot, const Layout& layout);
+  Status reserve_slot(int64_t version, size_t* slot);
   void copy_chunk_to_region(InFlight& job, size_t chunk);
   Status verify(const Slot& slot);
   Status copy_region_to_buffers(const Slot& slot);

@@ -8,6 +8,8 @@ stay in their processes. ``import peerstate`` needs no GPU, CUDA, torch or numpy
 from peerstate import _C
 from peerstate.errors import *  # noqa: F401,F403
 from peerstate.errors import __all__ as _error_names
+from peerstate.placement import BuddyPlacement, PlacementWarning
+from peerstate.replication import Replication
 from peerstate.snapshot import SnapshotHandle, SnapshotStore
 from peerstate.state_dict import register_training_state
 
@@ -25,6 +27,9 @@ def cuda_available() -> bool:
 
 
 __all__ = [
+    "BuddyPlacement",
+    "PlacementWarning",
+    "Replication",
     "SnapshotHandle",
     "SnapshotStore",
     "cuda_available",

@@ -3,8 +3,12 @@
 A thin layer over ``peerstate._C.SnapshotStore``: it turns tensors and arrays
 into registered buffers, keeps them alive, checks before each copy that they
 still own the memory that was registered, and carries small Python state
-(``register_object``) alongside each version. The copying, checksums, memory
+(``register_object``) inside each version. The copying, checksums, memory
 budget and version rules live in the native store; see ``_C.pyi``.
+
+Small Python state is pickled at each snapshot into one registered byte
+buffer (``OBJECTS_BUFFER``), so it is checksummed, versioned and replicated
+with the tensors, with no second mechanism.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 from peerstate import _C
 from peerstate.buffers import Buffer, describe
 from peerstate.errors import InvalidArgumentError, NotFoundError, RegistrationMismatchError
+
+OBJECTS_BUFFER = "__peerstate_objects__"
+_LENGTH_BYTES = 8
 
 
 class SnapshotHandle:
@@ -48,6 +55,7 @@ class SnapshotStore:
         checksums: CRC32C per chunk, verified before every restore.
         validate: before each snapshot, check that every registered tensor still
             owns the memory it was registered with (costs ~0.3 us per buffer).
+        object_capacity: bytes reserved for the pickled objects of ``register_object``.
     """
 
     def __init__(
@@ -59,6 +67,7 @@ class SnapshotStore:
         budget_bytes: Optional[int] = None,
         checksums: bool = True,
         validate: bool = True,
+        object_capacity: int = 256 * 1024,
     ) -> None:
         self._native = _C.SnapshotStore(
             threads=threads or 0,
@@ -68,9 +77,11 @@ class SnapshotStore:
             checksums=checksums,
         )
         self.validate = validate
+        self.object_capacity = object_capacity
         self._buffers: Dict[str, Buffer] = {}
         self._objects: Dict[str, tuple] = {}
-        self._object_values: Dict[int, Dict[str, bytes]] = {}
+        self._object_bytes = None  # numpy uint8 array, registered with the first object
+        self._pre_snapshot_hooks: List[Callable[[], None]] = []
 
     # -- registration ---------------------------------------------------------------
     def register(self, name: str, obj: Any) -> None:
@@ -88,10 +99,16 @@ class SnapshotStore:
 
         ``get()`` is called in :meth:`snapshot`; ``set(value)`` in :meth:`restore`,
         after the buffers were restored. Use it for hyperparameters, counters and
-        other non-tensor state.
+        other non-tensor state; values travel inside the version, so replicas
+        carry them too.
         """
         if name in self._objects or name in self._buffers:
             raise InvalidArgumentError(f"'{name}' is already registered; unregister it first")
+        if self._object_bytes is None:
+            import numpy as np
+
+            self._object_bytes = np.zeros(self.object_capacity, dtype=np.uint8)
+            self.register(OBJECTS_BUFFER, self._object_bytes)
         self._objects[name] = (get, set)
 
     def unregister(self, *names: str) -> None:
@@ -108,7 +125,11 @@ class SnapshotStore:
 
     def registered(self) -> List[str]:
         """Names of the registered buffers and objects."""
-        return list(self._buffers) + list(self._objects)
+        return [n for n in self._buffers if n != OBJECTS_BUFFER] + list(self._objects)
+
+    def add_pre_snapshot_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` at the start of every :meth:`snapshot` (e.g. to wait for replication)."""
+        self._pre_snapshot_hooks.append(hook)
 
     # -- versions -------------------------------------------------------------------
     def snapshot(self, version: int) -> SnapshotHandle:
@@ -118,20 +139,19 @@ class SnapshotStore:
         copies are ordered after the work already queued on torch's current CUDA
         stream, so call this after ``optimizer.step()`` has been queued.
         """
+        for hook in self._pre_snapshot_hooks:
+            hook()
         if self.validate:
             self._check_registration()
-        values = {name: pickle.dumps(get(), protocol=pickle.HIGHEST_PROTOCOL) for name, (get, _) in self._objects.items()}
+        if self._objects:
+            self._native.wait()  # the object buffer is about to change: the last copy must be done
+            self._write_objects()
         self._native.snapshot(version, self._after_stream())
-        self._object_values[version] = values
-        self._prune_objects()
         return SnapshotHandle(self, version)
 
     def wait(self) -> None:
         """Block until the version in flight (if any) commits; raise its error."""
-        try:
-            self._native.wait()
-        finally:
-            self._prune_objects()
+        self._native.wait()
 
     def restore(self, version: int) -> None:
         """Copy committed ``version`` back into the registered buffers and objects.
@@ -140,22 +160,19 @@ class SnapshotStore:
         newer than ``version`` are dropped and the one in flight is cancelled.
         """
         self._check_registration()
-        values = self._object_values.get(version)
-        if self._objects and values is None and version in self.committed_versions():
-            raise RegistrationMismatchError(
-                f"version {version} holds no values for the registered objects; it was taken "
-                "before they were registered"
-            )
-        missing = [n for n in self._objects if values is not None and n not in values]
-        if missing:
-            raise RegistrationMismatchError(
-                f"version {version} holds no value for object(s) {missing}; it was taken before "
-                "they were registered. The live state was not changed."
-            )
+        if self._objects:
+            stored = self._stored_objects(version)
+            missing = [n for n in self._objects if stored is not None and n not in stored]
+            if missing:
+                raise RegistrationMismatchError(
+                    f"version {version} holds no value for object(s) {missing}; it was taken before "
+                    "they were registered. The live state was not changed."
+                )
         self._native.restore(version)
-        for name, (_, setter) in self._objects.items():
-            setter(pickle.loads(values[name]))
-        self._prune_objects()
+        if self._objects:
+            values = self._read_objects(memoryview(self._object_bytes))
+            for name, (_, setter) in self._objects.items():
+                setter(values[name])
 
     def committed_versions(self) -> List[int]:
         """Committed versions, oldest first."""
@@ -180,7 +197,6 @@ class SnapshotStore:
     def close(self) -> None:
         """Cancel the version in flight and free all snapshot memory."""
         self._native.close()
-        self._object_values.clear()
 
     def __enter__(self) -> "SnapshotStore":
         return self
@@ -210,10 +226,30 @@ class SnapshotStore:
             return 0
         return torch.cuda.current_stream().cuda_stream
 
-    def _prune_objects(self) -> None:
-        keep = set(self._native.committed_versions())
-        in_flight = self._native.in_flight_version()
-        if in_flight is not None:
-            keep.add(in_flight)
-        for v in [v for v in self._object_values if v not in keep]:
-            del self._object_values[v]
+    def _write_objects(self) -> None:
+        payload = pickle.dumps({name: get() for name, (get, _) in self._objects.items()},
+                               protocol=pickle.HIGHEST_PROTOCOL)
+        if len(payload) + _LENGTH_BYTES > self.object_capacity:
+            raise InvalidArgumentError(
+                f"the registered objects pickle to {len(payload)} bytes, over object_capacity="
+                f"{self.object_capacity}; create the SnapshotStore with a larger object_capacity"
+            )
+        self._object_bytes[:_LENGTH_BYTES] = memoryview(len(payload).to_bytes(_LENGTH_BYTES, "little"))
+        self._object_bytes[_LENGTH_BYTES : _LENGTH_BYTES + len(payload)] = memoryview(payload)
+
+    @staticmethod
+    def _read_objects(raw: memoryview) -> Dict[str, Any]:
+        length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
+        if length == 0 or length > len(raw) - _LENGTH_BYTES:
+            return {}
+        return pickle.loads(raw[_LENGTH_BYTES : _LENGTH_BYTES + length])
+
+    def _stored_objects(self, version: int) -> Optional[Dict[str, Any]]:
+        """The objects inside a committed version, or None if it cannot be read
+        (unknown or corrupt version: the native restore then says why)."""
+        try:
+            info = self._native.version_info(version)
+            offset, nbytes = next((b[3], b[1]) for b in info["buffers"] if b[0] == OBJECTS_BUFFER)
+            return self._read_objects(self._native.stored_bytes(version)[offset : offset + nbytes])
+        except Exception:  # noqa: BLE001 - any failure here is reported by the restore itself
+            return None

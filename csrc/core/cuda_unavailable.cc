@@ -1,5 +1,6 @@
 // Host-only build: there is no device path, and every request for one says why.
 #include "core/device_copy.h"
+#include "core/nccl_transport.h"
 
 namespace peerstate {
 
@@ -9,6 +10,14 @@ Status DeviceCopyEngine::create(std::unique_ptr<DeviceCopyEngine>* out) {
                 "this peerstate build has no CUDA support (it was built without nvcc, or with "
                 "PEERSTATE_CUDA=OFF); reinstall on a machine with the CUDA toolkit to snapshot "
                 "GPU memory");
+}
+
+Status create_nccl_transport(const NcclLibrary&, const NcclUniqueId&, int, int, int, long,
+                             std::unique_ptr<Transport>* out) {
+  out->reset();
+  return Status(StatusCode::kUnavailable,
+                "this peerstate build has no CUDA support, so no nccl transport; use the tcp transport "
+                "or reinstall on a machine with the CUDA toolkit");
 }
 
 bool cuda_compiled() { return false; }

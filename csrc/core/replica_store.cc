@@ -1,0 +1,158 @@
+#include "core/replica_store.h"
+
+namespace peerstate {
+
+ReplicaStore::ReplicaStore(size_t budget_bytes)
+    : budget_(budget_bytes != 0 ? budget_bytes : physical_memory_bytes() / 2) {}
+
+Status ReplicaStore::reserve(int source_rank, size_t bytes_per_version) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t total = 2 * bytes_per_version;
+  for (const auto& [rank, source] : sources_)
+    if (rank != source_rank) total += 2 * source.reserved_per_version;
+  if (total > budget_)
+    return Status(StatusCode::kBudgetExceeded,
+                  "holding 2 versions of rank " + std::to_string(source_rank) + " (" +
+                      std::to_string(bytes_per_version) + " bytes each) brings this holder's replicas to " +
+                      std::to_string(total) + " bytes, over its budget of " + std::to_string(budget_) +
+                      " bytes; raise the replica budget or spread the buddies over more ranks");
+  sources_[source_rank].reserved_per_version = bytes_per_version;
+  return Status::Ok();
+}
+
+Status ReplicaStore::begin(const VersionMeta& meta) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = sources_.find(meta.source_rank);
+  if (it == sources_.end())
+    return Status(StatusCode::kNotFound,
+                  "this holder has no reservation for rank " + std::to_string(meta.source_rank) +
+                      "; set up replication (reserve) before sending versions");
+  Source& source = it->second;
+  if (meta.layout->region_bytes > source.reserved_per_version)
+    return Status(StatusCode::kBudgetExceeded,
+                  "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
+                      " needs " + std::to_string(meta.layout->region_bytes) + " bytes but " +
+                      std::to_string(source.reserved_per_version) + " were reserved");
+  if (source.committed && meta.version <= source.committed->meta.version)
+    return Status(StatusCode::kInvalidArgument,
+                  "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
+                      " is not newer than the committed version " + std::to_string(source.committed->meta.version));
+  // Reuse the incoming region when no reader holds it; else start a fresh one.
+  std::shared_ptr<ReplicaVersion> incoming = source.incoming;
+  if (!incoming || incoming.use_count() > 1) incoming = std::make_shared<ReplicaVersion>();
+  if (incoming->region.size() < meta.layout->region_bytes || incoming->region.data() == nullptr)
+    PEERSTATE_RETURN_IF_ERROR(incoming->region.allocate(meta.layout->region_bytes));
+  incoming->meta = meta;
+  incoming->arrived.assign(meta.layout->chunks.size(), 0);
+  incoming->arrived_count = 0;
+  incoming->failure.clear();
+  source.incoming = std::move(incoming);
+  return Status::Ok();
+}
+
+Status ReplicaStore::chunk_target(int source_rank, int64_t version, uint32_t chunk, uint64_t length,
+                                  std::shared_ptr<ReplicaVersion>* keep, unsigned char** target) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = sources_.find(source_rank);
+  if (it == sources_.end() || !it->second.incoming || it->second.incoming->meta.version != version)
+    return Status(StatusCode::kProtocolError, "chunk of rank " + std::to_string(source_rank) + " version " +
+                                                  std::to_string(version) + " arrived without a matching begin");
+  const std::shared_ptr<ReplicaVersion>& incoming = it->second.incoming;
+  const Layout& layout = *incoming->meta.layout;
+  if (chunk >= layout.chunks.size())
+    return Status(StatusCode::kProtocolError, "chunk index " + std::to_string(chunk) + " out of range (" +
+                                                  std::to_string(layout.chunks.size()) + " chunks)");
+  if (length != layout.chunks[chunk].nbytes)
+    return Status(StatusCode::kProtocolError, "chunk " + std::to_string(chunk) + " has " + std::to_string(length) +
+                                                  " bytes, the layout says " +
+                                                  std::to_string(layout.chunks[chunk].nbytes));
+  *keep = incoming;
+  *target = incoming->region.data() + layout.chunks[chunk].offset;
+  return Status::Ok();
+}
+
+Status ReplicaStore::chunk_arrived(const std::shared_ptr<ReplicaVersion>& incoming, uint32_t chunk) {
+  const uint32_t crc = chunk_checksum(*incoming->meta.layout, chunk, incoming->region.data());
+  const uint32_t expected = incoming->meta.checksums[chunk];
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (crc != expected) {
+    if (incoming->failure.empty())
+      incoming->failure = "chunk " + std::to_string(chunk) + " arrived corrupt (CRC32C mismatch)";
+    arrived_.notify_all();
+    return Status(StatusCode::kChecksumMismatch, incoming->failure);
+  }
+  if (!incoming->arrived[chunk]) {
+    incoming->arrived[chunk] = 1;
+    incoming->arrived_count++;
+  }
+  arrived_.notify_all();
+  return Status::Ok();
+}
+
+Status ReplicaStore::commit(int source_rank, int64_t version, Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto it = sources_.find(source_rank);
+  auto current = [&]() -> std::shared_ptr<ReplicaVersion> {
+    return it != sources_.end() && it->second.incoming && it->second.incoming->meta.version == version
+               ? it->second.incoming
+               : nullptr;
+  };
+  std::shared_ptr<ReplicaVersion> incoming = current();
+  if (!incoming)
+    return Status(StatusCode::kProtocolError, "commit of rank " + std::to_string(source_rank) + " version " +
+                                                  std::to_string(version) + " without a matching begin");
+  const bool complete = arrived_.wait_until(lock, deadline, [&] {
+    return current() != incoming || !incoming->failure.empty() || incoming->arrived_count == incoming->arrived.size();
+  });
+  if (current() != incoming)
+    return Status(StatusCode::kAborted, "version " + std::to_string(version) + " was replaced before it committed");
+  if (!incoming->failure.empty()) return Status(StatusCode::kChecksumMismatch, incoming->failure);
+  if (!complete)
+    return Status(StatusCode::kTimeout, "version " + std::to_string(version) + " of rank " +
+                                            std::to_string(source_rank) + ": only " +
+                                            std::to_string(incoming->arrived_count) + " of " +
+                                            std::to_string(incoming->arrived.size()) + " chunks arrived");
+  it->second.incoming = std::move(it->second.committed);
+  it->second.committed = std::move(incoming);
+  return Status::Ok();
+}
+
+Status ReplicaStore::get(int source_rank, int64_t version, std::shared_ptr<const ReplicaVersion>* out) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = sources_.find(source_rank);
+  if (it == sources_.end() || !it->second.committed)
+    return Status(StatusCode::kNotFound, "no committed version of rank " + std::to_string(source_rank) + " here");
+  if (version >= 0 && it->second.committed->meta.version != version)
+    return Status(StatusCode::kNotFound, "version " + std::to_string(version) + " of rank " +
+                                             std::to_string(source_rank) + " is not committed here (committed: " +
+                                             std::to_string(it->second.committed->meta.version) + ")");
+  *out = it->second.committed;
+  return Status::Ok();
+}
+
+std::vector<std::pair<int, int64_t>> ReplicaStore::committed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<int, int64_t>> out;
+  for (const auto& [rank, source] : sources_)
+    if (source.committed) out.emplace_back(rank, source.committed->meta.version);
+  return out;
+}
+
+size_t ReplicaStore::held_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t total = 0;
+  for (const auto& [rank, source] : sources_) {
+    if (source.committed) total += source.committed->region.size();
+    if (source.incoming) total += source.incoming->region.size();
+  }
+  return total;
+}
+
+size_t ReplicaStore::reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t total = 0;
+  for (const auto& [rank, source] : sources_) total += 2 * source.reserved_per_version;
+  return total;
+}
+
+}  // namespace peerstate

@@ -1,0 +1,85 @@
+// ReplicaStore: the buddies' snapshots that this rank holds for them.
+//
+// For each source rank it serves, a holder keeps the last committed version
+// and at most one incoming version. An incoming version becomes visible only
+// when every chunk arrived and matched its CRC32C; until then readers see the
+// previous committed version, and a partial version is simply discarded when
+// the next one begins (e.g. after its sender died).
+//
+// Memory is bounded: reserve() accounts two versions of each source against
+// the budget when replication is set up, and a version larger than its
+// reservation is refused on arrival. Versions are held in host memory.
+//
+// Thread-safe: the tcp server's connection threads write chunks of one
+// incoming version concurrently, and readers hold committed versions by
+// shared_ptr, so a commit never pulls memory out from under a reader.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/host_memory.h"
+#include "core/socket.h"
+#include "core/status.h"
+#include "core/wire.h"
+
+namespace peerstate {
+
+struct ReplicaVersion {
+  VersionMeta meta;
+  HostRegion region;
+  std::vector<uint8_t> arrived;  // per chunk: 0 missing, 1 verified
+  size_t arrived_count = 0;
+  std::string failure;           // first chunk that failed verification
+};
+
+class ReplicaStore {
+ public:
+  explicit ReplicaStore(size_t budget_bytes);
+
+  // Accounts 2 x bytes_per_version for `source_rank` (replacing an earlier
+  // reservation for it). kBudgetExceeded, naming the totals, when it does not fit.
+  Status reserve(int source_rank, size_t bytes_per_version);
+
+  // Starts receiving (meta.source_rank, meta.version); drops any partial
+  // incoming version of that source. kBudgetExceeded beyond the reservation,
+  // kNotFound for a source with no reservation.
+  Status begin(const VersionMeta& meta);
+  // Where the bytes of chunk `chunk` must land, after checking that the chunk
+  // belongs to the incoming version and has exactly `length` bytes
+  // (kProtocolError otherwise). `keep` holds the version alive while writing.
+  Status chunk_target(int source_rank, int64_t version, uint32_t chunk, uint64_t length,
+                      std::shared_ptr<ReplicaVersion>* keep, unsigned char** target);
+  // Verifies a chunk that landed (CRC32C against the metadata) and records it.
+  Status chunk_arrived(const std::shared_ptr<ReplicaVersion>& incoming, uint32_t chunk);
+  // Waits until every chunk of the incoming version arrived, then makes it the
+  // committed one. kTimeout, or kChecksumMismatch when a chunk failed.
+  Status commit(int source_rank, int64_t version, Deadline deadline);
+
+  // The committed version of `source_rank` (`version` -1: whatever is committed).
+  Status get(int source_rank, int64_t version, std::shared_ptr<const ReplicaVersion>* out) const;
+  // (source rank, committed version) for every source with one.
+  std::vector<std::pair<int, int64_t>> committed() const;
+  size_t held_bytes() const;
+  size_t reserved_bytes() const;
+  size_t budget_bytes() const { return budget_; }
+
+ private:
+  struct Source {
+    size_t reserved_per_version = 0;
+    std::shared_ptr<ReplicaVersion> committed;
+    std::shared_ptr<ReplicaVersion> incoming;
+  };
+
+  const size_t budget_;
+  mutable std::mutex mutex_;
+  std::condition_variable arrived_;
+  std::map<int, Source> sources_;
+};
+
+}  // namespace peerstate

@@ -1,0 +1,225 @@
+#include "core/wire.h"
+
+#include <cstring>
+
+#include "core/crc32c.h"
+
+namespace peerstate {
+namespace {
+
+constexpr char kAuthMagic[8] = {'P', 'S', 'A', 'U', 'T', 'H', '0', '1'};
+constexpr size_t kMaxNameBytes = 4096;
+constexpr size_t kMaxErrorBytes = 64 * 1024;
+
+Digest mac(const std::string& secret, const char* label, const uint8_t* a, const uint8_t* b, int32_t rank,
+           bool with_rank) {
+  std::string msg(label);
+  msg.append(reinterpret_cast<const char*>(a), kNonceBytes);
+  msg.append(reinterpret_cast<const char*>(b), kNonceBytes);
+  if (with_rank) msg.append(reinterpret_cast<const char*>(&rank), sizeof(rank));
+  return hmac_sha256(secret.data(), secret.size(), msg.data(), msg.size());
+}
+
+template <typename T>
+void put(std::string& out, T v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(v));
+}
+
+class Reader {
+ public:
+  explicit Reader(const std::string& b) : data_(b) {}
+  template <typename T>
+  bool get(T* v) {
+    if (data_.size() - pos_ < sizeof(T)) return false;
+    std::memcpy(v, data_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return true;
+  }
+  bool get_string(size_t n, std::string* s) {
+    if (data_.size() - pos_ < n) return false;
+    s->assign(data_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  bool at_end() const { return pos_ == data_.size(); }
+  size_t left() const { return data_.size() - pos_; }
+
+ private:
+  const std::string& data_;
+  size_t pos_ = 0;
+};
+
+Status bad_meta(const std::string& why) {
+  return Status(StatusCode::kProtocolError, "malformed version metadata: " + why);
+}
+
+}  // namespace
+
+Status send_frame(Socket& s, const FrameHeader& header, const void* payload, Deadline deadline) {
+  PEERSTATE_RETURN_IF_ERROR(s.send_all(&header, sizeof(header), deadline));
+  if (header.length > 0 && payload != nullptr) PEERSTATE_RETURN_IF_ERROR(s.send_all(payload, header.length, deadline));
+  return Status::Ok();
+}
+
+Status recv_header(Socket& s, FrameHeader* header, Deadline deadline) {
+  PEERSTATE_RETURN_IF_ERROR(s.recv_all(header, sizeof(*header), deadline));
+  if (header->magic != kFrameMagic)
+    return Status(StatusCode::kProtocolError, "bad frame magic from " + s.peer_name());
+  if (header->type < static_cast<uint16_t>(FrameType::kPutBegin) || header->type > static_cast<uint16_t>(FrameType::kError))
+    return Status(StatusCode::kProtocolError, "unknown frame type " + std::to_string(header->type));
+  return Status::Ok();
+}
+
+Status send_error(Socket& s, const Status& error, Deadline deadline) {
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(FrameType::kError);
+  h.status = static_cast<uint16_t>(error.code());
+  std::string msg = error.message().substr(0, kMaxErrorBytes);
+  h.length = msg.size();
+  return send_frame(s, h, msg.data(), deadline);
+}
+
+Status read_error(Socket& s, const FrameHeader& header, Deadline deadline) {
+  if (header.length > kMaxErrorBytes) return Status(StatusCode::kProtocolError, "oversized error frame");
+  std::string msg(header.length, '\0');
+  PEERSTATE_RETURN_IF_ERROR(s.recv_all(msg.data(), msg.size(), deadline));
+  StatusCode code = header.status > 0 && header.status <= static_cast<uint16_t>(StatusCode::kInternal)
+                        ? static_cast<StatusCode>(header.status)
+                        : StatusCode::kInternal;
+  return Status(code, "peer " + s.peer_name() + ": " + msg);
+}
+
+Status expect_ack(Socket& s, Deadline deadline) {
+  FrameHeader h;
+  PEERSTATE_RETURN_IF_ERROR(recv_header(s, &h, deadline));
+  if (h.type == static_cast<uint16_t>(FrameType::kError)) return read_error(s, h, deadline);
+  if (h.type != static_cast<uint16_t>(FrameType::kAck) || h.length != 0)
+    return Status(StatusCode::kProtocolError, "expected an acknowledgement from " + s.peer_name());
+  return Status::Ok();
+}
+
+Status finish_meta(VersionMeta* meta) {
+  std::vector<BufferRegistration> regs;
+  regs.reserve(meta->buffers.size());
+  for (const BufferPlacement& b : meta->buffers) regs.push_back(BufferRegistration{b.name, nullptr, b.nbytes, b.device});
+  auto layout = std::make_shared<Layout>();
+  PEERSTATE_RETURN_IF_ERROR(build_layout(regs, meta->chunk_bytes, layout.get()));
+  if (meta->checksums.size() != layout->chunks.size())
+    return bad_meta(std::to_string(meta->checksums.size()) + " checksums for " + std::to_string(layout->chunks.size()) +
+                    " chunks");
+  meta->buffers = layout->buffers;
+  meta->layout = std::move(layout);
+  return Status::Ok();
+}
+
+std::string encode_meta(const VersionMeta& meta) {
+  std::string out;
+  put<int32_t>(out, meta.source_rank);
+  put<int64_t>(out, meta.version);
+  put<uint64_t>(out, meta.chunk_bytes);
+  put<uint32_t>(out, static_cast<uint32_t>(meta.buffers.size()));
+  for (const BufferPlacement& b : meta.buffers) {
+    put<uint16_t>(out, static_cast<uint16_t>(b.name.size()));
+    out += b.name;
+    put<uint64_t>(out, b.nbytes);
+    put<int32_t>(out, b.device);
+  }
+  put<uint32_t>(out, static_cast<uint32_t>(meta.checksums.size()));
+  for (uint32_t c : meta.checksums) put<uint32_t>(out, c);
+  return out;
+}
+
+Status decode_meta(const std::string& bytes, VersionMeta* out) {
+  Reader r(bytes);
+  VersionMeta meta;
+  uint64_t chunk_bytes = 0;
+  uint32_t count = 0;
+  if (!r.get(&meta.source_rank) || !r.get(&meta.version) || !r.get(&chunk_bytes) || !r.get(&count))
+    return bad_meta("truncated header");
+  if (chunk_bytes < kLayoutAlignment || chunk_bytes > (1ull << 40)) return bad_meta("chunk_bytes out of range");
+  // Each buffer takes at least 14 bytes on the wire: a count larger than that is a lie.
+  if (count > r.left() / 14) return bad_meta("buffer count exceeds the payload");
+  meta.chunk_bytes = chunk_bytes;
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < count; i++) {
+    uint16_t name_bytes = 0;
+    BufferPlacement b;
+    uint64_t nbytes = 0;
+    if (!r.get(&name_bytes) || name_bytes == 0 || name_bytes > kMaxNameBytes || !r.get_string(name_bytes, &b.name) ||
+        !r.get(&nbytes) || !r.get(&b.device))
+      return bad_meta("truncated or invalid buffer entry " + std::to_string(i));
+    if (b.device < kHostDevice) return bad_meta("invalid device");
+    if (nbytes > (1ull << 44) || (total += nbytes) > (1ull << 46)) return bad_meta("buffer sizes out of range");
+    b.nbytes = nbytes;
+    meta.buffers.push_back(std::move(b));
+  }
+  uint32_t checksums = 0;
+  if (!r.get(&checksums) || checksums > r.left() / 4) return bad_meta("checksum count exceeds the payload");
+  meta.checksums.resize(checksums);
+  for (uint32_t& c : meta.checksums) r.get(&c);
+  if (!r.at_end()) return bad_meta("trailing bytes");
+  // Each chunk holds at most chunk_bytes, so the layout has at least total /
+  // chunk_bytes chunks; refuse before building a layout that large.
+  if (total / chunk_bytes > meta.checksums.size())
+    return bad_meta(std::to_string(total) + " bytes in chunks of " + std::to_string(chunk_bytes) +
+                    " need more chunks than the " + std::to_string(meta.checksums.size()) + " checksums sent");
+  PEERSTATE_RETURN_IF_ERROR(finish_meta(&meta));
+  *out = std::move(meta);
+  return Status::Ok();
+}
+
+uint32_t chunk_checksum(const Layout& layout, size_t c, const unsigned char* region) {
+  const ChunkPlacement& chunk = layout.chunks[c];
+  uint32_t crc = 0;
+  for (uint32_t s = 0; s < chunk.segment_count; s++) {
+    const Segment& seg = layout.segments[chunk.first_segment + s];
+    crc = crc32c_extend(crc, region + seg.region_offset, seg.nbytes);
+  }
+  return crc;
+}
+
+Status handshake_client(Socket& s, const std::string& secret, int32_t rank, Deadline deadline) {
+  char magic[8];
+  uint8_t server_nonce[kNonceBytes], client_nonce[kNonceBytes];
+  PEERSTATE_RETURN_IF_ERROR(s.recv_all(magic, sizeof(magic), deadline));
+  if (std::memcmp(magic, kAuthMagic, sizeof(magic)) != 0)
+    return Status(StatusCode::kProtocolError, s.peer_name() + " is not a peerstate replication server");
+  PEERSTATE_RETURN_IF_ERROR(s.recv_all(server_nonce, sizeof(server_nonce), deadline));
+  PEERSTATE_RETURN_IF_ERROR(random_bytes(client_nonce, sizeof(client_nonce)));
+  Digest proof = mac(secret, "peerstate-client", server_nonce, client_nonce, rank, true);
+  uint8_t reply[kNonceBytes + 32 + 4];
+  std::memcpy(reply, client_nonce, kNonceBytes);
+  std::memcpy(reply + kNonceBytes, proof.data(), 32);
+  std::memcpy(reply + kNonceBytes + 32, &rank, 4);
+  PEERSTATE_RETURN_IF_ERROR(s.send_all(reply, sizeof(reply), deadline));
+  Digest answer;
+  Status st = s.recv_all(answer.data(), answer.size(), deadline);
+  if (!st.ok())
+    return Status(StatusCode::kAuthenticationError,
+                  s.peer_name() + " closed the connection during the handshake: the job secrets differ? (" +
+                      st.message() + ")");
+  if (!digests_equal(answer, mac(secret, "peerstate-server", client_nonce, server_nonce, 0, false)))
+    return Status(StatusCode::kAuthenticationError, s.peer_name() + " does not know the job secret");
+  return Status::Ok();
+}
+
+Status handshake_server(Socket& s, const std::string& secret, int32_t* client_rank, Deadline deadline) {
+  uint8_t server_nonce[kNonceBytes];
+  PEERSTATE_RETURN_IF_ERROR(random_bytes(server_nonce, sizeof(server_nonce)));
+  PEERSTATE_RETURN_IF_ERROR(s.send_all(kAuthMagic, sizeof(kAuthMagic), deadline));
+  PEERSTATE_RETURN_IF_ERROR(s.send_all(server_nonce, sizeof(server_nonce), deadline));
+  uint8_t reply[kNonceBytes + 32 + 4];
+  PEERSTATE_RETURN_IF_ERROR(s.recv_all(reply, sizeof(reply), deadline));
+  int32_t rank;
+  std::memcpy(&rank, reply + kNonceBytes + 32, 4);
+  Digest proof;
+  std::memcpy(proof.data(), reply + kNonceBytes, 32);
+  if (!digests_equal(proof, mac(secret, "peerstate-client", server_nonce, reply, rank, true)))
+    return Status(StatusCode::kAuthenticationError, "client failed the job-secret challenge");
+  Digest answer = mac(secret, "peerstate-server", reply, server_nonce, 0, false);
+  PEERSTATE_RETURN_IF_ERROR(s.send_all(answer.data(), answer.size(), deadline));
+  *client_rank = rank;
+  return Status::Ok();
+}
+
+}  // namespace peerstate

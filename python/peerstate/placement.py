@@ -1,0 +1,159 @@
+"""BuddyPlacement: which ranks hold whose snapshot.
+
+Deterministic from the world layout (each rank's node, optionally its rack):
+every process computes the same placement with no communication. Rank r's
+k buddies are the ranks with r's local index on the next k nodes of a ring of
+nodes; when racks are given, the ring alternates racks, so a buddy sits in
+another rack whenever the layout allows. With equal nodes every holder serves
+exactly k ranks (equal bytes for equal ranks).
+
+Where failure domains cannot be separated (one node; fewer other nodes than
+k), the placement says so loudly: a warning by default, an error with
+``strict=True``.
+
+Replica groups (ranks whose state is identical, e.g. data-parallel replicas)
+need no buddies: each member is a source for the others, with no replication
+traffic and no extra memory.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Dict, Hashable, List, Optional, Sequence
+
+from peerstate.errors import InvalidArgumentError
+
+
+class PlacementWarning(UserWarning):
+    """A placement that leaves copies in the same failure domain as their source."""
+
+
+class BuddyPlacement:
+    """k-buddy placement over nodes (and racks).
+
+    Args:
+        node_of_rank: the node id of each rank (index = rank).
+        k: copies of each rank's snapshot kept on other ranks.
+        rack_of_rank: optional rack id of each rank.
+        replica_groups: optional lists of ranks holding identical state.
+        strict: raise instead of warning when failure domains cannot be separated.
+    """
+
+    def __init__(
+        self,
+        node_of_rank: Sequence[Hashable],
+        k: int = 1,
+        rack_of_rank: Optional[Sequence[Hashable]] = None,
+        replica_groups: Optional[Sequence[Sequence[int]]] = None,
+        strict: bool = False,
+    ) -> None:
+        world = len(node_of_rank)
+        if world == 0:
+            raise InvalidArgumentError("node_of_rank is empty: give the node id of every rank")
+        if k < 1 or k >= world:
+            raise InvalidArgumentError(f"k must be between 1 and world size - 1 = {world - 1} (got {k})")
+        if rack_of_rank is not None and len(rack_of_rank) != world:
+            raise InvalidArgumentError(f"rack_of_rank has {len(rack_of_rank)} entries for {world} ranks")
+        self.world_size = world
+        self.k = k
+        self.node_of_rank = list(node_of_rank)
+        self.rack_of_rank = list(rack_of_rank) if rack_of_rank is not None else None
+        self.warnings: List[str] = []
+
+        self._group_of: Dict[int, List[int]] = {}
+        for group in replica_groups or []:
+            members = sorted(set(group))
+            for r in members:
+                if not 0 <= r < world:
+                    raise InvalidArgumentError(f"replica group {list(group)} names rank {r} outside 0..{world - 1}")
+                if r in self._group_of:
+                    raise InvalidArgumentError(f"rank {r} is in two replica groups")
+                if len(members) > 1:
+                    self._group_of[r] = members
+            if len(members) > 1 and len({self.node_of_rank[r] for r in members}) == 1:
+                self._warn(f"replica group {members} lies on one node ({self.node_of_rank[members[0]]!r}): "
+                           "losing that node loses every copy", strict)
+
+        ranks_by_node: "OrderedDict[Hashable, List[int]]" = OrderedDict()
+        for rank, node in enumerate(self.node_of_rank):
+            ranks_by_node.setdefault(node, []).append(rank)
+        ring = self._node_ring(ranks_by_node)
+        position = {node: i for i, node in enumerate(ring)}
+
+        self._holders: Dict[int, List[int]] = {}
+        for rank in range(world):
+            if rank in self._group_of:
+                self._holders[rank] = []
+                continue
+            node = self.node_of_rank[rank]
+            local = ranks_by_node[node].index(rank)
+            holders: List[int] = []
+            for step in range(1, len(ring)):
+                if len(holders) == k:
+                    break
+                other = ranks_by_node[ring[(position[node] + step) % len(ring)]]
+                holders.append(other[local % len(other)])
+            if len(holders) < k:  # fewer other nodes than k: fill from the own node, loudly
+                same = [r for r in ranks_by_node[node] if r != rank]
+                for r in same[local % max(len(same), 1):] + same[: local % max(len(same), 1)]:
+                    if len(holders) == k:
+                        break
+                    if r not in holders:
+                        holders.append(r)
+            self._holders[rank] = holders
+
+        if len(ring) == 1:
+            self._warn(f"all {world} ranks are on one node ({ring[0]!r}): buddies share the node, so a node "
+                       "failure loses every copy; use several nodes for real protection", strict)
+        elif len(ring) - 1 < k:
+            self._warn(f"k={k} copies need {k} other nodes but there are only {len(ring) - 1}: some copies "
+                       "share a node with their source", strict)
+        if self.rack_of_rank is not None and len(set(self.rack_of_rank)) > 1:
+            same_rack = [r for r, hs in self._holders.items() for h in hs if self.rack_of_rank[h] == self.rack_of_rank[r]]
+            if same_rack:
+                self._warn(f"ranks {sorted(set(same_rack))} have a buddy in their own rack: the racks are too "
+                           "uneven to separate every copy", strict)
+
+    def _node_ring(self, ranks_by_node: "OrderedDict[Hashable, List[int]]") -> List[Hashable]:
+        nodes = list(ranks_by_node)
+        if self.rack_of_rank is None:
+            return nodes
+        by_rack: "OrderedDict[Hashable, List[Hashable]]" = OrderedDict()
+        for node in nodes:
+            by_rack.setdefault(self.rack_of_rank[ranks_by_node[node][0]], []).append(node)
+        ring: List[Hashable] = []
+        columns = max(len(v) for v in by_rack.values())
+        for i in range(columns):  # round-robin over racks: ring neighbours sit in different racks
+            ring.extend(v[i] for v in by_rack.values() if i < len(v))
+        return ring
+
+    def _warn(self, message: str, strict: bool) -> None:
+        if strict:
+            raise InvalidArgumentError(f"cannot separate failure domains: {message}")
+        self.warnings.append(message)
+        warnings.warn(message, PlacementWarning, stacklevel=3)
+
+    def holders(self, rank: int) -> List[int]:
+        """The ranks that keep a copy of ``rank``'s snapshot (empty for a replica-group member)."""
+        return list(self._holders[rank])
+
+    def served_by(self, holder: int) -> List[int]:
+        """The ranks whose snapshots ``holder`` keeps."""
+        return [r for r, hs in self._holders.items() if holder in hs]
+
+    def sources(self, rank: int) -> List[int]:
+        """Where ``rank``'s state can be pulled from: its replica-group peers (their own
+        snapshots) or its buddies (their replicas of it)."""
+        if rank in self._group_of:
+            return [r for r in self._group_of[rank] if r != rank]
+        return self.holders(rank)
+
+    def replica_group(self, rank: int) -> List[int]:
+        """The ranks holding the same state as ``rank`` (just ``[rank]`` outside any group)."""
+        return list(self._group_of.get(rank, [rank]))
+
+    def lost(self, dead: Sequence[int]) -> List[int]:
+        """The ranks among ``dead`` whose state has no surviving copy."""
+        dead_set = set(dead)
+        return [r for r in sorted(dead_set) if all(s in dead_set for s in self.sources(r))]

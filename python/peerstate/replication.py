@@ -1,0 +1,134 @@
+"""Buddy replication for one rank: serve the buddies' replicas, push this rank's
+snapshots to its holders, pull a lost rank's state back.
+
+Wiring (one per rank, after the SnapshotStore is registered)::
+
+    repl = Replication(store, rank, placement, secret=job_secret, host="10.0.0.5")
+    publish(rank, repl.address)                       # e.g. through the job's TCPStore
+    repl.connect({r: address_of(r) for r in range(world)})
+    repl.reserve({r: bytes_per_version_of(r) for r in placement.served_by(rank)})
+    for step in ...:
+        store.snapshot(step).wait()
+        repl.replicate(step)                          # background; next snapshot waits for it
+
+A replacement for rank r registers the same buffers, then ``repl.recover(r)``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from peerstate import _C
+from peerstate.errors import InvalidArgumentError
+from peerstate.placement import BuddyPlacement
+from peerstate.snapshot import SnapshotStore
+
+Address = Tuple[str, int]
+
+
+class Replication:
+    """This rank's replication endpoint (server, transport and replicator).
+
+    Args:
+        store: this rank's SnapshotStore (checksums on).
+        rank: this rank.
+        placement: the job's BuddyPlacement (the same on every rank).
+        secret: the per-job secret (>= 16 bytes) every peer must prove it knows.
+        host: the address to listen on; loopback by default, never all
+            interfaces unless "0.0.0.0" is given.
+        port: 0 picks a free port.
+        connections_per_peer: parallel TCP connections to each peer.
+        replica_budget_bytes: bound on the replicas held here (default: half of RAM).
+        io_timeout: seconds a transfer step may take before it fails.
+    """
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        rank: int,
+        placement: BuddyPlacement,
+        *,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        connections_per_peer: int = 4,
+        replica_budget_bytes: Optional[int] = None,
+        io_timeout: float = 30.0,
+    ) -> None:
+        if not store.native.checksums:
+            raise InvalidArgumentError("replication verifies every chunk: create the SnapshotStore with checksums=True")
+        self.store = store
+        self.rank = rank
+        self.placement = placement
+        self.host = host
+        io_ms = int(io_timeout * 1000)
+        self.replicas = _C.ReplicaStore(budget_bytes=replica_budget_bytes or 0)
+        self.server = _C.TcpServer(self.replicas, store.native, secret=secret, rank=rank, host=host, port=port,
+                                   io_timeout_ms=io_ms)
+        self.transport = _C.TcpTransport(secret=secret, rank=rank, connections_per_peer=connections_per_peer,
+                                         connect_timeout_ms=min(io_ms, 5000), io_timeout_ms=io_ms)
+        self.replicator = _C.Replicator(store.native, self.transport, rank)
+        store.add_pre_snapshot_hook(self._wait_in_flight)
+
+    @property
+    def address(self) -> Address:
+        """Where this rank's replication server listens."""
+        return (self.host, self.server.port)
+
+    def connect(self, addresses: Dict[int, Address]) -> None:
+        """Tell the transport where every peer listens (connections open on first use)."""
+        for peer, (host, port) in addresses.items():
+            if peer != self.rank:
+                self.transport.add_peer(peer, host, port)
+
+    def reserve(self, bytes_per_version: Dict[int, int]) -> None:
+        """Account the replicas this rank will hold (rank -> bytes of one version) against
+        its budget, now rather than mid-run. Raises BudgetExceededError."""
+        for source, nbytes in bytes_per_version.items():
+            self.replicas.reserve(source, nbytes)
+
+    def replicate(self, version: int) -> None:
+        """Send committed ``version`` to this rank's holders in the background.
+        Waits first for the previous round (at most one in flight)."""
+        self.replicator.replicate(version, self.placement.holders(self.rank))
+
+    def wait(self, version: int, *, check: bool = True) -> Dict[int, Optional[BaseException]]:
+        """Block until ``version``'s round ends; return holder -> None (committed there) or
+        the error. With ``check``, raise the first error."""
+        results = dict(self.replicator.wait(version))
+        if check:
+            for holder, error in results.items():
+                if error is not None:
+                    raise type(error)(f"replication of version {version} to rank {holder} failed: {error}")
+        return results
+
+    def pull(self, rank: int, version: int = -1, sources: Optional[List[int]] = None) -> int:
+        """Fetch ``rank``'s state (``version``, or the newest its first source has) from its
+        sources, chunks split among them, into this rank's store as a committed version.
+        Does not restore it. Returns the version."""
+        peers = self.placement.sources(rank) if sources is None else sources
+        group = set(self.placement.replica_group(rank))
+        pairs = [(p, p if p in group else rank) for p in peers if p != self.rank]
+        if not pairs:
+            raise InvalidArgumentError(f"rank {rank} has no source other than this rank")
+        return self.replicator.pull(pairs, version)
+
+    def recover(self, rank: int, version: int = -1, sources: Optional[List[int]] = None) -> int:
+        """pull() then restore into the registered buffers. Returns the version restored."""
+        pulled = self.pull(rank, version, sources)
+        self.store.restore(pulled)
+        return pulled
+
+    def holdings(self) -> Dict[int, int]:
+        """source rank -> version committed here."""
+        return dict(self.replicas.committed())
+
+    def close(self) -> None:
+        """Stop serving, abort transfers, wait for the round in flight."""
+        self.transport.abort()
+        self.server.stop()
+
+    def _wait_in_flight(self) -> None:
+        version = self.replicator.in_flight_version()
+        if version is not None:
+            self.replicator.wait(version)

@@ -1,0 +1,342 @@
+"""The tcp transport under hostile input: wrong secrets, garbage, truncated frames,
+lying lengths and chunk indices, and a bounded fuzz loop. Every one must end in a
+closed connection (and a log line) while the server keeps serving and no byte of
+its committed state changes."""
+
+import hashlib
+import hmac
+import os
+import random
+import secrets
+import socket
+import struct
+import time
+
+import pytest
+import torch
+
+import peerstate
+from peerstate import _C
+
+SECRET = secrets.token_bytes(32)
+HEADER = struct.Struct("<IHHiIqQII")
+MAGIC = 0x31765350
+PUT_BEGIN, PUT_CHUNK, PUT_COMMIT, GET_META, GET_CHUNK, META, CHUNK, ACK, ERROR = range(1, 10)
+
+
+def recv_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        if not part:
+            raise ConnectionError("closed")
+        data += part
+    return data
+
+
+def authenticate(sock, secret=SECRET, rank=0):
+    """The client side of the handshake, written from the protocol description with
+    Python's own hmac: an independent check of the native implementation."""
+    assert recv_exact(sock, 8) == b"PSAUTH01"
+    server_nonce = recv_exact(sock, 32)
+    client_nonce = os.urandom(32)
+    rank_bytes = struct.pack("<i", rank)
+    proof = hmac.new(secret, b"peerstate-client" + server_nonce + client_nonce + rank_bytes, hashlib.sha256).digest()
+    sock.sendall(client_nonce + proof + rank_bytes)
+    answer = recv_exact(sock, 32)
+    assert answer == hmac.new(secret, b"peerstate-server" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def frame(type_, source_rank=0, chunk=0, version=0, length=0, crc=0, magic=MAGIC):
+    return HEADER.pack(magic, type_, 0, source_rank, chunk, version, length, crc, 0)
+
+
+def closed_by_server(sock, timeout=5.0):
+    """True when the server closes the connection (after any replies it sends)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+class Rig:
+    """A holder (rank 1) with its own snapshot and a committed replica of rank 0,
+    plus everything a legitimate rank 0 needs to talk to it."""
+
+    def __init__(self):
+        self.source_store = peerstate.SnapshotStore(chunk_bytes=64 * 1024)
+        self.source_state = {f"w{i}": torch.randn(50_000) for i in range(4)}
+        self.source_store.register_many(self.source_state)
+        self.source_store.snapshot(1).wait()
+
+        self.own_store = peerstate.SnapshotStore()
+        self.own_state = torch.randn(10_000)
+        self.own_store.register("own", self.own_state)
+        self.own_store.snapshot(7).wait()
+
+        self.replicas = _C.ReplicaStore(budget_bytes=64 << 20)
+        self.replicas.reserve(0, self.source_store.memory()["bytes_per_version"])
+        self.server = _C.TcpServer(self.replicas, self.own_store.native, secret=SECRET, rank=1, io_timeout_ms=1000)
+        self.address = ("127.0.0.1", self.server.port)
+        self.transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=2)
+        self.transport.add_peer(1, *self.address)
+        replicator = _C.Replicator(self.source_store.native, self.transport, 0)
+        replicator.replicate(1, [1])
+        assert replicator.wait(1) == [(1, None)]
+        self.meta = self.source_store.version_info(1)
+        self.replica_digest = hashlib.sha256(self.replicas.stored_bytes(0)).hexdigest()
+        self.own_digest = hashlib.sha256(bytes(self.own_store.stored_bytes(7))).hexdigest()
+
+    def connect(self):
+        return socket.create_connection(self.address, timeout=5)
+
+    def valid_meta_bytes(self, version=100, rank=0):
+        out = struct.pack("<iqQI", rank, version, 64 * 1024, len(self.meta["buffers"]))
+        for name, nbytes, device, _ in self.meta["buffers"]:
+            out += struct.pack("<H", len(name)) + name.encode() + struct.pack("<Qi", nbytes, device)
+        out += struct.pack("<I", len(self.meta["checksums"])) + b"".join(struct.pack("<I", c) for c in self.meta["checksums"])
+        return out
+
+    def assert_intact(self):
+        assert self.replicas.committed() == [(0, 1)]
+        assert hashlib.sha256(self.replicas.stored_bytes(0)).hexdigest() == self.replica_digest
+        assert hashlib.sha256(bytes(self.own_store.stored_bytes(7))).hexdigest() == self.own_digest
+        # ...and it still serves a legitimate client.
+        assert self.transport.describe(1, 0, -1)["version"] == 1
+        assert self.transport.describe(1, 1, -1)["version"] == 7
+
+    def close(self):
+        self.transport.abort()
+        self.server.stop()
+        self.source_store.close()
+        self.own_store.close()
+
+
+@pytest.fixture
+def rig():
+    r = Rig()
+    yield r
+    r.close()
+
+
+def test_native_hmac_matches_python():
+    for key, msg in [(b"k" * 16, b""), (b"key", b"The quick brown fox"), (b"x" * 100, os.urandom(1000))]:
+        assert _C.hmac_sha256(key, msg) == hmac.new(key, msg, hashlib.sha256).digest()
+    # RFC 4231 test case 2
+    assert _C.hmac_sha256(b"Jefe", b"what do ya want for nothing?").hex() == (
+        "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843")
+
+
+def test_short_secret_and_wildcard_address_must_be_explicit():
+    replicas = _C.ReplicaStore()
+    with pytest.raises(peerstate.InvalidArgumentError, match="at least 16 bytes"):
+        _C.TcpServer(replicas, None, secret=b"short", rank=0)
+    with pytest.raises(peerstate.InvalidArgumentError, match="at least 16 bytes"):
+        _C.TcpTransport(secret=b"short", rank=0)
+    server = _C.TcpServer(replicas, None, secret=SECRET, rank=0)  # default: loopback only
+    try:
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.2", server.port), timeout=1).close()  # not bound there
+    finally:
+        server.stop()
+
+
+def test_wrong_secret_is_refused_both_ways(rig, capfd):
+    intruder = _C.TcpTransport(secret=secrets.token_bytes(32), rank=0, connections_per_peer=1)
+    intruder.add_peer(1, *rig.address)
+    with pytest.raises(peerstate.AuthenticationError, match="job secret"):
+        intruder.describe(1, 0, -1)
+    # A server that does not know the secret is refused by an honest client too.
+    impostor = _C.TcpServer(_C.ReplicaStore(), None, secret=secrets.token_bytes(32), rank=1)
+    honest = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1)
+    honest.add_peer(1, "127.0.0.1", impostor.port)
+    with pytest.raises(peerstate.AuthenticationError):
+        honest.describe(1, 0, -1)
+    impostor.stop()
+    assert rig.server.stats()["rejected"] >= 1
+    assert "[peerstate] closing connection" in capfd.readouterr().err
+    rig.assert_intact()
+
+
+@pytest.mark.parametrize("payload", [b"", os.urandom(7), os.urandom(68), os.urandom(4096)], ids=["silent", "7", "68", "4096"])
+def test_garbage_instead_of_a_handshake(rig, payload):
+    with rig.connect() as sock:
+        recv_exact(sock, 40)
+        sock.sendall(payload)
+        assert closed_by_server(sock)
+    rig.assert_intact()
+
+
+def test_frames_that_close_the_connection(rig):
+    meta = rig.valid_meta_bytes()
+    cases = {
+        "bad magic": frame(GET_META, magic=0xDEADBEEF),
+        "unknown type": frame(77),
+        "server-only type": frame(ACK),
+        "oversized metadata": frame(PUT_BEGIN, length=(256 << 20) + 1),
+        "truncated header": frame(GET_META)[:20],
+        "truncated metadata": frame(PUT_BEGIN, version=100, length=len(meta)) + meta[: len(meta) // 2],
+        "lying buffer count": frame(PUT_BEGIN, version=100, length=24) + struct.pack("<iqQI", 0, 100, 65536, 10**9),
+        "another rank's state": frame(PUT_BEGIN, version=100, length=len(meta)) + rig.valid_meta_bytes(rank=5),
+        "chunk without begin": frame(PUT_CHUNK, version=555, chunk=0, length=64),
+        "request with payload": frame(GET_META, length=8) + b"12345678",
+    }
+    before = rig.server.stats()["rejected"]
+    for name, data in cases.items():
+        with rig.connect() as sock:
+            authenticate(sock)
+            sock.sendall(data)
+            if name.startswith("truncated"):
+                sock.shutdown(socket.SHUT_WR)
+            assert closed_by_server(sock), name
+    assert rig.server.stats()["rejected"] > before
+    rig.assert_intact()
+
+
+def test_lying_chunk_index_and_length_after_a_valid_begin(rig):
+    meta = rig.valid_meta_bytes(version=100)
+    chunks = rig.meta["chunks"]
+    for chunk, length in [(len(chunks), chunks[0][1]), (10**6, 16), (0, chunks[0][1] + 1), (0, 1 << 40)]:
+        with rig.connect() as sock:
+            authenticate(sock)
+            sock.sendall(frame(PUT_BEGIN, version=100, length=len(meta)) + meta)
+            reply = HEADER.unpack(recv_exact(sock, HEADER.size))
+            assert reply[1] == ACK
+            sock.sendall(frame(PUT_CHUNK, version=100, chunk=chunk, length=length) + b"\xff" * min(length, 1 << 16))
+            assert closed_by_server(sock), (chunk, length)
+    rig.assert_intact()
+
+
+def test_errors_that_keep_the_connection(rig):
+    with rig.connect() as sock:
+        authenticate(sock)
+        sock.sendall(frame(GET_CHUNK, source_rank=0, version=1, chunk=10**6))
+        reply = HEADER.unpack(recv_exact(sock, HEADER.size))
+        assert reply[1] == ERROR and b"out of range" in recv_exact(sock, reply[6])
+        sock.sendall(frame(GET_META, source_rank=42, version=-1))
+        reply = HEADER.unpack(recv_exact(sock, HEADER.size))
+        assert reply[1] == ERROR and b"rank 42" in recv_exact(sock, reply[6])
+        # A commit whose chunks never came fails after the io timeout; nothing becomes visible.
+        meta = rig.valid_meta_bytes(version=100)
+        sock.sendall(frame(PUT_BEGIN, version=100, length=len(meta)) + meta)
+        assert HEADER.unpack(recv_exact(sock, HEADER.size))[1] == ACK
+        sock.sendall(frame(PUT_COMMIT, version=100))
+        reply = HEADER.unpack(recv_exact(sock, HEADER.size))
+        assert reply[1] == ERROR and b"chunks arrived" in recv_exact(sock, reply[6])
+    rig.assert_intact()
+
+
+def test_corrupted_chunk_never_commits(rig):
+    meta = rig.valid_meta_bytes(version=100)
+    raw = bytes(rig.source_store.stored_bytes(1))
+    with rig.connect() as sock:
+        authenticate(sock)
+        sock.sendall(frame(PUT_BEGIN, version=100, length=len(meta)) + meta)
+        assert HEADER.unpack(recv_exact(sock, HEADER.size))[1] == ACK
+        for c, (offset, nbytes, _) in enumerate(rig.meta["chunks"]):
+            payload = bytearray(raw[offset : offset + nbytes])
+            if c == 1:
+                payload[5] ^= 0x10  # one bit flipped in transit
+            sock.sendall(frame(PUT_CHUNK, version=100, chunk=c, length=nbytes) + payload)
+        sock.sendall(frame(PUT_COMMIT, version=100))
+        reply = HEADER.unpack(recv_exact(sock, HEADER.size))
+        assert reply[1] == ERROR and b"chunk 1 arrived corrupt" in recv_exact(sock, reply[6])
+    rig.assert_intact()
+
+
+def test_fuzz_mutated_frames(rig):
+    """A bounded fuzz loop: valid begin+chunk sequences with random bytes flipped,
+    truncated or extended. No commit is ever sent, so nothing may become visible."""
+    rng = random.Random(int(os.environ.get("PEERSTATE_TEST_SEED", "1234")))
+    meta = rig.valid_meta_bytes(version=100)
+    raw = bytes(rig.source_store.stored_bytes(1))
+    offset, nbytes, _ = rig.meta["chunks"][0]
+    valid = frame(PUT_BEGIN, version=100, length=len(meta)) + meta
+    valid += frame(PUT_CHUNK, version=100, chunk=0, length=nbytes) + raw[offset : offset + nbytes]
+    deadline = time.monotonic() + 15
+    iterations = 0
+    while iterations < 200 and time.monotonic() < deadline:
+        data = bytearray(valid)
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(0, min(len(data), 4096))] = rng.randrange(256)  # headers and metadata
+        if rng.random() < 0.3:
+            data = data[: rng.randrange(1, len(data))]
+        with rig.connect() as sock:
+            authenticate(sock)
+            try:
+                sock.sendall(bytes(data))
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # closed on us mid-send: that is a rejection too
+            assert closed_by_server(sock)
+        iterations += 1
+    assert iterations >= 50
+    rig.assert_intact()
+
+
+class SilentServer:
+    """Accepts connections and never says a word: a hung peer."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+
+    def close(self):
+        self.sock.close()
+
+
+def test_timeout_on_a_hung_peer():
+    silent = SilentServer()
+    transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1, connect_timeout_ms=300)
+    transport.add_peer(1, "127.0.0.1", silent.port)
+    start = time.monotonic()
+    with pytest.raises(peerstate.TimeoutError, match="timed out"):
+        transport.describe(1, 0, -1)
+    assert time.monotonic() - start < 5
+    silent.close()
+
+
+def test_abort_fails_pending_calls_promptly():
+    import threading
+
+    silent = SilentServer()
+    transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=2, connect_timeout_ms=60_000)
+    transport.add_peer(1, "127.0.0.1", silent.port)
+    errors = []
+
+    def blocked_call():
+        try:
+            transport.describe(1, 0, -1)
+        except peerstate.Error as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=blocked_call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # all three are waiting on the silent peer
+    start = time.monotonic()
+    transport.abort()
+    for t in threads:
+        t.join(timeout=5)
+    assert time.monotonic() - start < 2 and not any(t.is_alive() for t in threads)
+    assert len(errors) == 3 and all(isinstance(e, peerstate.AbortedError) for e in errors), errors
+    with pytest.raises(peerstate.AbortedError):
+        transport.describe(1, 0, -1)  # and every later call
+    silent.close()
+
+
+def test_unreachable_peer_is_a_connection_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+        transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1)
+        transport.add_peer(1, "127.0.0.1", port)
+        with pytest.raises(peerstate.PeerConnectionError, match="cannot connect"):
+            transport.describe(1, 0, -1)
