@@ -39,7 +39,7 @@ def digest_tensors(tensors):
 
 def digest_region(info, raw):
     h = hashlib.sha256()
-    for name, nbytes, _device, offset in sorted(info["buffers"]):
+    for name, nbytes, _device, offset, _dtype in sorted(info["buffers"]):
         h.update(name.encode())
         h.update(raw[offset : offset + nbytes])
     return h.hexdigest()

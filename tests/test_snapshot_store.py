@@ -358,3 +358,25 @@ def test_training_state_round_trip():
         assert opt.param_groups[0]["lr"] == saved_lr
     finally:
         store.close()
+
+
+def test_same_bytes_other_dtype_or_shape_is_refused(store):
+    t = torch.randn(100, 10)
+    store.register("t", t)
+    store.snapshot(1).wait()
+    for other in (torch.zeros(10, 100), torch.zeros(100, 20, dtype=torch.float16)):
+        store.register("t", other)  # the same 4000 bytes, other meaning
+        with pytest.raises(peerstate.RegistrationMismatchError, match=r"held torch.float32\[100, 10\] and now holds"):
+            store.restore(1)
+        assert not other.any()
+
+
+def test_allocate_up_front(store):
+    store.register("t", byte_tensor(100_000, 1))
+    assert store.memory()["held_bytes"] == 0
+    store.allocate()
+    held = store.memory()["held_bytes"]
+    assert held >= 2 * 100_000
+    store.snapshot(1).wait()
+    store.snapshot(2).wait()
+    assert store.memory()["held_bytes"] == held  # nothing allocated per step

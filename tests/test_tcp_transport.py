@@ -97,8 +97,9 @@ class Rig:
 
     def valid_meta_bytes(self, version=100, rank=0):
         out = struct.pack("<iqQI", rank, version, 64 * 1024, len(self.meta["buffers"]))
-        for name, nbytes, device, _ in self.meta["buffers"]:
+        for name, nbytes, device, _, dtype in self.meta["buffers"]:
             out += struct.pack("<H", len(name)) + name.encode() + struct.pack("<Qi", nbytes, device)
+            out += struct.pack("<H", len(dtype)) + dtype.encode()
         out += struct.pack("<I", len(self.meta["checksums"])) + b"".join(struct.pack("<I", c) for c in self.meta["checksums"])
         return out
 

@@ -20,7 +20,8 @@ namespace {
 
 py::dict meta_dict(const VersionMeta& meta) {
   py::list buffers, chunks;
-  for (const BufferPlacement& b : meta.layout->buffers) buffers.append(py::make_tuple(b.name, b.nbytes, b.device, b.offset));
+  for (const BufferPlacement& b : meta.layout->buffers)
+    buffers.append(py::make_tuple(b.name, b.nbytes, b.device, b.offset, b.dtype));
   for (const ChunkPlacement& c : meta.layout->chunks) chunks.append(py::make_tuple(c.offset, c.nbytes, c.device));
   py::dict d;
   d["source_rank"] = meta.source_rank;
@@ -45,6 +46,7 @@ VersionMeta meta_from_dict(const py::dict& d, int source_rank) {
     b.name = t[0].cast<std::string>();
     b.nbytes = t[1].cast<size_t>();
     b.device = t[2].cast<int>();
+    if (t.size() > 4) b.dtype = t[4].cast<std::string>();
     meta.buffers.push_back(b);
   }
   meta.checksums = d["checksums"].cast<std::vector<uint32_t>>();

@@ -31,7 +31,7 @@ Crc32cImplementation parse_implementation(const std::string& name) {
 py::dict version_dict(const VersionView& v) {
   py::list buffers, chunks;
   for (const BufferPlacement& b : v.layout->buffers)
-    buffers.append(py::make_tuple(b.name, b.nbytes, b.device, b.offset));
+    buffers.append(py::make_tuple(b.name, b.nbytes, b.device, b.offset, b.dtype));
   for (const ChunkPlacement& c : v.layout->chunks)
     chunks.append(py::make_tuple(c.offset, c.nbytes, c.device));
   py::dict d;
@@ -63,10 +63,16 @@ void bind_snapshot(py::module_& m) {
            py::kw_only(), py::arg("threads") = 0, py::arg("chunk_bytes") = size_t(4) << 20,
            py::arg("max_versions") = 2, py::arg("budget_bytes") = 0, py::arg("checksums") = true)
       .def("register_buffers",
-           [](SnapshotStore& s, const std::vector<std::tuple<std::string, uintptr_t, size_t, int>>& items) {
+           [](SnapshotStore& s, const std::vector<py::tuple>& items) {
              std::vector<BufferRegistration> regs;
-             for (const auto& [name, ptr, nbytes, device] : items)
-               regs.push_back(BufferRegistration{name, reinterpret_cast<void*>(ptr), nbytes, device});
+             for (const py::tuple& t : items) {
+               if (t.size() != 4 && t.size() != 5)
+                 raise_if_error(Status(StatusCode::kInvalidArgument,
+                                       "each buffer is (name, pointer, nbytes, device[, dtype])"));
+               regs.push_back(BufferRegistration{t[0].cast<std::string>(), reinterpret_cast<void*>(t[1].cast<uintptr_t>()),
+                                                 t[2].cast<size_t>(), t[3].cast<int>(),
+                                                 t.size() == 5 ? t[4].cast<std::string>() : std::string()});
+             }
              call_without_gil([&] { return s.register_buffers(regs); });
            })
       .def("unregister", [](SnapshotStore& s, const std::vector<std::string>& names) {
@@ -81,6 +87,7 @@ void bind_snapshot(py::module_& m) {
       .def("restore", [](SnapshotStore& s, int64_t version) {
         call_without_gil([&] { return s.restore(version); });
       })
+      .def("allocate", [](SnapshotStore& s) { call_without_gil([&] { return s.allocate(); }); })
       .def("close", [](SnapshotStore& s) { call_without_gil([&] { return s.close(); }); })
       .def("committed_versions", &SnapshotStore::committed_versions)
       .def("in_flight_version", [](const SnapshotStore& s) -> py::object {

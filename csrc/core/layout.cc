@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "core/crc32c.h"
+
 namespace peerstate {
 namespace {
 
@@ -26,6 +28,9 @@ std::string Layout::difference(const Layout& other) const {
     if (a.nbytes != b.nbytes)
       return "buffer '" + a.name + "' had " + std::to_string(a.nbytes) + " bytes and now has " +
              std::to_string(b.nbytes);
+    if (a.dtype != b.dtype)
+      return "buffer '" + a.name + "' held " + (a.dtype.empty() ? std::string("untyped bytes") : a.dtype) +
+             " and now holds " + (b.dtype.empty() ? std::string("untyped bytes") : b.dtype);
     if (a.device != b.device)
       return "buffer '" + a.name + "' was on " + device_name(a.device) + " and is now on " +
              device_name(b.device);
@@ -67,7 +72,7 @@ Status build_layout(const std::vector<BufferRegistration>& buffers, size_t chunk
     const BufferRegistration& b = buffers[index];
     offset = align_up(offset);
     if (!open || chunk.device != b.device) open_chunk(b.device);
-    BufferPlacement placement{b.name, b.nbytes, b.device, offset};
+    BufferPlacement placement{b.name, b.nbytes, b.device, offset, b.dtype};
     const uint32_t buffer_index = static_cast<uint32_t>(layout.buffers.size());
     layout.buffers.push_back(placement);
     layout.has_device_buffers |= b.device != kHostDevice;
@@ -86,6 +91,16 @@ Status build_layout(const std::vector<BufferRegistration>& buffers, size_t chunk
   layout.chunk_bytes = chunk_bytes;
   *out = std::move(layout);
   return Status::Ok();
+}
+
+uint32_t chunk_checksum(const Layout& layout, size_t c, const unsigned char* region) {
+  const ChunkPlacement& chunk = layout.chunks[c];
+  uint32_t crc = 0;
+  for (uint32_t s = 0; s < chunk.segment_count; s++) {
+    const Segment& seg = layout.segments[chunk.first_segment + s];
+    crc = crc32c_extend(crc, region + seg.region_offset, seg.nbytes);
+  }
+  return crc;
 }
 
 }  // namespace peerstate

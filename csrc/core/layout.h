@@ -25,6 +25,7 @@ struct BufferRegistration {
   void* ptr = nullptr;
   size_t nbytes = 0;
   int device = kHostDevice;  // CUDA device index, or kHostDevice
+  std::string dtype;         // what the bytes are, e.g. "torch.float32[1024,4096]"; compared, never parsed
 };
 
 // Where a buffer's bytes sit in a version's host region.
@@ -33,6 +34,7 @@ struct BufferPlacement {
   size_t nbytes = 0;
   int device = kHostDevice;
   size_t offset = 0;  // in the version's region
+  std::string dtype;
 };
 
 struct ChunkPlacement {
@@ -60,10 +62,13 @@ struct Layout {
   size_t chunk_bytes = 0;  // what it was built with
   bool has_device_buffers = false;
 
-  // Empty when `other` describes the same buffers (names, sizes, devices, order);
+  // Empty when `other` describes the same buffers (names, sizes, dtypes, devices, order);
   // else a sentence naming the first difference.
   std::string difference(const Layout& other) const;
 };
+
+// CRC32C of chunk `c` as it lies in `region` (over its segments, in order).
+uint32_t chunk_checksum(const Layout& layout, size_t c, const unsigned char* region);
 
 // Builds the layout of `buffers` (kInvalidArgument for chunk_bytes < 64).
 Status build_layout(const std::vector<BufferRegistration>& buffers, size_t chunk_bytes, Layout* out);

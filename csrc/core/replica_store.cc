@@ -6,47 +6,68 @@ ReplicaStore::ReplicaStore(size_t budget_bytes)
     : budget_(budget_bytes != 0 ? budget_bytes : physical_memory_bytes() / 2) {}
 
 Status ReplicaStore::reserve(int source_rank, size_t bytes_per_version) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t total = 2 * bytes_per_version;
+    for (const auto& [rank, source] : sources_)
+      if (rank != source_rank) total += 2 * source.reserved_per_version;
+    if (total > budget_)
+      return Status(StatusCode::kBudgetExceeded,
+                    "holding 2 versions of rank " + std::to_string(source_rank) + " (" +
+                        std::to_string(bytes_per_version) + " bytes each) brings this holder's replicas to " +
+                        std::to_string(total) + " bytes, over its budget of " + std::to_string(budget_) +
+                        " bytes; raise the replica budget or spread the buddies over more ranks");
+  }
+  // Two regions: the committed version's and the incoming one's.
+  auto first = std::make_shared<ReplicaVersion>();
+  auto second = std::make_shared<ReplicaVersion>();
+  PEERSTATE_RETURN_IF_ERROR(first->region.allocate(bytes_per_version));
+  PEERSTATE_RETURN_IF_ERROR(second->region.allocate(bytes_per_version));
   std::lock_guard<std::mutex> lock(mutex_);
-  size_t total = 2 * bytes_per_version;
-  for (const auto& [rank, source] : sources_)
-    if (rank != source_rank) total += 2 * source.reserved_per_version;
-  if (total > budget_)
-    return Status(StatusCode::kBudgetExceeded,
-                  "holding 2 versions of rank " + std::to_string(source_rank) + " (" +
-                      std::to_string(bytes_per_version) + " bytes each) brings this holder's replicas to " +
-                      std::to_string(total) + " bytes, over its budget of " + std::to_string(budget_) +
-                      " bytes; raise the replica budget or spread the buddies over more ranks");
-  sources_[source_rank].reserved_per_version = bytes_per_version;
+  Source& source = sources_[source_rank];
+  source.reserved_per_version = bytes_per_version;
+  source.incoming = std::move(first);
+  if (!source.committed) source.spare = std::move(second);
   return Status::Ok();
 }
 
 Status ReplicaStore::begin(const VersionMeta& meta) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = sources_.find(meta.source_rank);
-  if (it == sources_.end())
-    return Status(StatusCode::kNotFound,
-                  "this holder has no reservation for rank " + std::to_string(meta.source_rank) +
-                      "; set up replication (reserve) before sending versions");
-  Source& source = it->second;
-  if (meta.layout->region_bytes > source.reserved_per_version)
-    return Status(StatusCode::kBudgetExceeded,
-                  "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
-                      " needs " + std::to_string(meta.layout->region_bytes) + " bytes but " +
-                      std::to_string(source.reserved_per_version) + " were reserved");
-  if (source.committed && meta.version <= source.committed->meta.version)
-    return Status(StatusCode::kInvalidArgument,
-                  "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
-                      " is not newer than the committed version " + std::to_string(source.committed->meta.version));
-  // Reuse the incoming region when no reader holds it; else start a fresh one.
-  std::shared_ptr<ReplicaVersion> incoming = source.incoming;
-  if (!incoming || incoming.use_count() > 1) incoming = std::make_shared<ReplicaVersion>();
+  std::shared_ptr<ReplicaVersion> incoming;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = sources_.find(meta.source_rank);
+    if (it == sources_.end())
+      return Status(StatusCode::kNotFound,
+                    "this holder has no reservation for rank " + std::to_string(meta.source_rank) +
+                        "; set up replication (reserve) before sending versions");
+    Source& source = it->second;
+    if (meta.layout->region_bytes > source.reserved_per_version)
+      return Status(StatusCode::kBudgetExceeded,
+                    "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
+                        " needs " + std::to_string(meta.layout->region_bytes) + " bytes but " +
+                        std::to_string(source.reserved_per_version) + " were reserved");
+    if (source.committed && meta.version <= source.committed->meta.version)
+      return Status(StatusCode::kInvalidArgument,
+                    "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
+                        " is not newer than the committed version " + std::to_string(source.committed->meta.version));
+    // Reuse an allocated region that nobody else holds (a reader of an old
+    // committed version, or a connection still writing a dropped partial one).
+    for (auto* candidate : {&source.incoming, &source.spare})
+      if (!incoming && *candidate && candidate->use_count() == 1) incoming = std::move(*candidate);
+    if (!source.spare && source.incoming && source.incoming.use_count() == 1) source.spare = std::move(source.incoming);
+    source.incoming.reset();  // a partial version is dropped here, never committed
+  }
+  if (!incoming) incoming = std::make_shared<ReplicaVersion>();
+  // Allocation (and faulting in) of a large region takes a while: not under the lock.
   if (incoming->region.size() < meta.layout->region_bytes || incoming->region.data() == nullptr)
     PEERSTATE_RETURN_IF_ERROR(incoming->region.allocate(meta.layout->region_bytes));
   incoming->meta = meta;
   incoming->arrived.assign(meta.layout->chunks.size(), 0);
   incoming->arrived_count = 0;
   incoming->failure.clear();
-  source.incoming = std::move(incoming);
+  std::lock_guard<std::mutex> lock(mutex_);
+  sources_[meta.source_rank].incoming = std::move(incoming);
+  arrived_.notify_all();  // a commit waiting on the version this one replaces gives up
   return Status::Ok();
 }
 
@@ -71,8 +92,7 @@ Status ReplicaStore::chunk_target(int source_rank, int64_t version, uint32_t chu
   return Status::Ok();
 }
 
-Status ReplicaStore::chunk_arrived(const std::shared_ptr<ReplicaVersion>& incoming, uint32_t chunk) {
-  const uint32_t crc = chunk_checksum(*incoming->meta.layout, chunk, incoming->region.data());
+Status ReplicaStore::chunk_arrived(const std::shared_ptr<ReplicaVersion>& incoming, uint32_t chunk, uint32_t crc) {
   const uint32_t expected = incoming->meta.checksums[chunk];
   std::lock_guard<std::mutex> lock(mutex_);
   if (crc != expected) {
@@ -112,7 +132,8 @@ Status ReplicaStore::commit(int source_rank, int64_t version, Deadline deadline)
                                             std::to_string(source_rank) + ": only " +
                                             std::to_string(incoming->arrived_count) + " of " +
                                             std::to_string(incoming->arrived.size()) + " chunks arrived");
-  it->second.incoming = std::move(it->second.committed);
+  if (it->second.committed) it->second.spare = std::move(it->second.committed);  // serves a later version
+  it->second.incoming.reset();
   it->second.committed = std::move(incoming);
   return Status::Ok();
 }
@@ -141,10 +162,9 @@ std::vector<std::pair<int, int64_t>> ReplicaStore::committed() const {
 size_t ReplicaStore::held_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   size_t total = 0;
-  for (const auto& [rank, source] : sources_) {
-    if (source.committed) total += source.committed->region.size();
-    if (source.incoming) total += source.incoming->region.size();
-  }
+  for (const auto& [rank, source] : sources_)
+    for (const auto* v : {&source.committed, &source.incoming, &source.spare})
+      if (*v) total += (*v)->region.size();
   return total;
 }
 

@@ -43,7 +43,9 @@ class ReplicaStore {
   explicit ReplicaStore(size_t budget_bytes);
 
   // Accounts 2 x bytes_per_version for `source_rank` (replacing an earlier
-  // reservation for it). kBudgetExceeded, naming the totals, when it does not fit.
+  // reservation for it) and allocates both regions now, so that the first
+  // versions do not pay for faulting in memory. kBudgetExceeded, naming the
+  // totals, when it does not fit; kOutOfMemory when the memory is not there.
   Status reserve(int source_rank, size_t bytes_per_version);
 
   // Starts receiving (meta.source_rank, meta.version); drops any partial
@@ -55,8 +57,9 @@ class ReplicaStore {
   // (kProtocolError otherwise). `keep` holds the version alive while writing.
   Status chunk_target(int source_rank, int64_t version, uint32_t chunk, uint64_t length,
                       std::shared_ptr<ReplicaVersion>* keep, unsigned char** target);
-  // Verifies a chunk that landed (CRC32C against the metadata) and records it.
-  Status chunk_arrived(const std::shared_ptr<ReplicaVersion>& incoming, uint32_t chunk);
+  // Records a chunk that landed with CRC32C `crc` (kChecksumMismatch, failing
+  // the version, when it differs from the metadata's).
+  Status chunk_arrived(const std::shared_ptr<ReplicaVersion>& incoming, uint32_t chunk, uint32_t crc);
   // Waits until every chunk of the incoming version arrived, then makes it the
   // committed one. kTimeout, or kChecksumMismatch when a chunk failed.
   Status commit(int source_rank, int64_t version, Deadline deadline);
@@ -74,6 +77,7 @@ class ReplicaStore {
     size_t reserved_per_version = 0;
     std::shared_ptr<ReplicaVersion> committed;
     std::shared_ptr<ReplicaVersion> incoming;
+    std::shared_ptr<ReplicaVersion> spare;  // an allocated region waiting for the next version
   };
 
   const size_t budget_;

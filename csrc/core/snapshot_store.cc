@@ -321,11 +321,7 @@ void SnapshotStore::copy_chunk_to_region(InFlight& job, size_t c) {
   } else {
     Status st = device_->wait_to_host(c);
     if (!st.ok()) return job.record(st);
-    if (options_.checksums)
-      for (uint32_t s = 0; s < chunk.segment_count; s++) {
-        const Segment& seg = layout.segments[chunk.first_segment + s];
-        crc = crc32c_extend(crc, region + seg.region_offset, seg.nbytes);
-      }
+    if (options_.checksums) crc = chunk_checksum(layout, c, region);
   }
   if (options_.checksums) slot.checksums[c] = crc;
 }
@@ -389,12 +385,7 @@ Status SnapshotStore::verify(const Slot& slot) {
   size_t bad = layout.chunks.size();
   uint32_t bad_crc = 0;
   pool_->run(layout.chunks.size(), [&](size_t c) {
-    const ChunkPlacement& chunk = layout.chunks[c];
-    uint32_t crc = 0;
-    for (uint32_t s = 0; s < chunk.segment_count; s++) {
-      const Segment& seg = layout.segments[chunk.first_segment + s];
-      crc = crc32c_extend(crc, slot.region.data() + seg.region_offset, seg.nbytes);
-    }
+    const uint32_t crc = chunk_checksum(layout, c, slot.region.data());
     if (crc != slot.checksums[c]) {
       std::lock_guard<std::mutex> lock(mutex);
       if (c < bad) {
@@ -483,6 +474,14 @@ Status SnapshotStore::restore(int64_t version) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& s : slots_)
     if (s->state == Slot::State::kCommitted && s->version > version) s->state = Slot::State::kEmpty;
+  return Status::Ok();
+}
+
+Status SnapshotStore::allocate() {
+  if (closed_) return Status(StatusCode::kInvalidArgument, "the snapshot store is closed");
+  PEERSTATE_RETURN_IF_ERROR(wait());
+  for (auto& slot : slots_)
+    if (slot->state == Slot::State::kEmpty) PEERSTATE_RETURN_IF_ERROR(prepare_region(*slot, *layout_));
   return Status::Ok();
 }
 

@@ -101,6 +101,10 @@ class SnapshotStore {
   // dropped: training resumes from `version`. On any error the registered
   // buffers are untouched and every committed version is kept.
   Status restore(int64_t version);
+  // Allocates (and faults in) every version slot for the current registration
+  // now, instead of on the first snapshots: a hot spare calls this before it is
+  // needed, so a recovery does not wait for memory. kBusy while a version is in flight.
+  Status allocate();
   // Cancels the in-flight version, waits for its copies, frees all memory.
   Status close();
 

@@ -43,6 +43,9 @@ Status wait_for(int fd, short events, Deadline deadline, const char* what, int c
 void tune(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // Fixed 4 MiB buffers (a chunk in flight per connection). Measured on
+  // loopback: with kernel autotuning instead, transfers stalled for ~0.7 s at
+  // random (zero-window probes) whenever the receiver paused to checksum.
   int buffer = 4 << 20;
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer, sizeof(buffer));
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer, sizeof(buffer));
@@ -122,14 +125,12 @@ Status Socket::send_all(const void* data, size_t nbytes, Deadline deadline) {
   return Status::Ok();
 }
 
-Status Socket::recv_all(void* data, size_t nbytes, Deadline deadline) {
-  auto* p = static_cast<char*>(data);
-  while (nbytes > 0) {
-    ssize_t n = ::recv(fd_, p, nbytes, 0);
+Status Socket::recv_some(void* data, size_t max, size_t* got, Deadline deadline) {
+  for (;;) {
+    ssize_t n = ::recv(fd_, data, max, 0);
     if (n > 0) {
-      p += n;
-      nbytes -= static_cast<size_t>(n);
-      continue;
+      *got = static_cast<size_t>(n);
+      return Status::Ok();
     }
     if (n == 0) return Status(StatusCode::kConnectionError, "peer " + peer_name() + " closed the connection");
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -138,6 +139,16 @@ Status Socket::recv_all(void* data, size_t nbytes, Deadline deadline) {
     }
     if (errno == EINTR) continue;
     return errno_status(StatusCode::kConnectionError, "receive from " + peer_name() + " failed");
+  }
+}
+
+Status Socket::recv_all(void* data, size_t nbytes, Deadline deadline) {
+  auto* p = static_cast<char*>(data);
+  while (nbytes > 0) {
+    size_t got = 0;
+    PEERSTATE_RETURN_IF_ERROR(recv_some(p, nbytes, &got, deadline));
+    p += got;
+    nbytes -= got;
   }
   return Status::Ok();
 }

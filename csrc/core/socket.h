@@ -53,6 +53,8 @@ class Socket {
 
   Status send_all(const void* data, size_t nbytes, Deadline deadline);
   Status recv_all(void* data, size_t nbytes, Deadline deadline);
+  // Receives between 1 and `max` bytes (what has arrived), waiting for the first.
+  Status recv_some(void* data, size_t max, size_t* got, Deadline deadline);
 
   void shutdown();  // thread-safe; wakes blocked callers
   void close();

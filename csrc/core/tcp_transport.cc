@@ -191,14 +191,15 @@ Status TcpServer::handle(Connection& c, const FrameHeader& h) {
     }
     case FrameType::kPutChunk: {
       std::shared_ptr<ReplicaVersion> incoming;
-      unsigned char* target = nullptr;
+      unsigned char* target = nullptr;  // checked, and where recv_chunk writes
       if (h.source_rank != c.peer_rank)
         return Status(StatusCode::kProtocolError, "chunk for another rank's state");
       // Any mismatch here closes the connection: the payload that follows
       // cannot be skipped safely when its announced length is a lie.
       PEERSTATE_RETURN_IF_ERROR(replicas_->chunk_target(h.source_rank, h.version, h.chunk, h.length, &incoming, &target));
-      PEERSTATE_RETURN_IF_ERROR(c.socket.recv_all(target, h.length, deadline));
-      Status st = replicas_->chunk_arrived(incoming, h.chunk);
+      uint32_t crc = 0;
+      PEERSTATE_RETURN_IF_ERROR(recv_chunk(c.socket, *incoming->meta.layout, h.chunk, incoming->region.data(), deadline, &crc));
+      Status st = replicas_->chunk_arrived(incoming, h.chunk, crc);
       if (!st.ok()) log_line("rank " + std::to_string(c.peer_rank) + ": " + st.message());
       return Status::Ok();  // a corrupt chunk fails the version at commit; the stream is intact
     }
@@ -444,8 +445,9 @@ Status TcpTransport::receive(int peer, const TransferPlan& plan) {
                            h.version != meta.version || h.length != chunk.nbytes))
         st = Status(StatusCode::kProtocolError, "rank " + std::to_string(peer) + " answered chunk " +
                                                     std::to_string(c) + " with a mismatched frame");
-      if (st.ok()) st = l.socket.recv_all(plan.region + chunk.offset, chunk.nbytes, d);
-      if (st.ok() && chunk_checksum(layout, c, plan.region) != meta.checksums[c])
+      uint32_t crc = 0;
+      if (st.ok()) st = recv_chunk(l.socket, layout, c, plan.region, d, &crc);
+      if (st.ok() && crc != meta.checksums[c])
         st = Status(StatusCode::kChecksumMismatch, "chunk " + std::to_string(c) + " from rank " +
                                                        std::to_string(peer) + " failed its CRC32C");
       if (!st.ok()) {

@@ -1,5 +1,6 @@
 #include "core/wire.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/crc32c.h"
@@ -9,6 +10,7 @@ namespace {
 
 constexpr char kAuthMagic[8] = {'P', 'S', 'A', 'U', 'T', 'H', '0', '1'};
 constexpr size_t kMaxNameBytes = 4096;
+constexpr size_t kMaxDtypeBytes = 256;
 constexpr size_t kMaxErrorBytes = 64 * 1024;
 
 Digest mac(const std::string& secret, const char* label, const uint8_t* a, const uint8_t* b, int32_t rank,
@@ -101,7 +103,8 @@ Status expect_ack(Socket& s, Deadline deadline) {
 Status finish_meta(VersionMeta* meta) {
   std::vector<BufferRegistration> regs;
   regs.reserve(meta->buffers.size());
-  for (const BufferPlacement& b : meta->buffers) regs.push_back(BufferRegistration{b.name, nullptr, b.nbytes, b.device});
+  for (const BufferPlacement& b : meta->buffers)
+    regs.push_back(BufferRegistration{b.name, nullptr, b.nbytes, b.device, b.dtype});
   auto layout = std::make_shared<Layout>();
   PEERSTATE_RETURN_IF_ERROR(build_layout(regs, meta->chunk_bytes, layout.get()));
   if (meta->checksums.size() != layout->chunks.size())
@@ -123,6 +126,8 @@ std::string encode_meta(const VersionMeta& meta) {
     out += b.name;
     put<uint64_t>(out, b.nbytes);
     put<int32_t>(out, b.device);
+    put<uint16_t>(out, static_cast<uint16_t>(b.dtype.size()));
+    out += b.dtype;
   }
   put<uint32_t>(out, static_cast<uint32_t>(meta.checksums.size()));
   for (uint32_t c : meta.checksums) put<uint32_t>(out, c);
@@ -137,16 +142,17 @@ Status decode_meta(const std::string& bytes, VersionMeta* out) {
   if (!r.get(&meta.source_rank) || !r.get(&meta.version) || !r.get(&chunk_bytes) || !r.get(&count))
     return bad_meta("truncated header");
   if (chunk_bytes < kLayoutAlignment || chunk_bytes > (1ull << 40)) return bad_meta("chunk_bytes out of range");
-  // Each buffer takes at least 14 bytes on the wire: a count larger than that is a lie.
-  if (count > r.left() / 14) return bad_meta("buffer count exceeds the payload");
+  // Each buffer takes at least 17 bytes on the wire: a count larger than that is a lie.
+  if (count > r.left() / 17) return bad_meta("buffer count exceeds the payload");
   meta.chunk_bytes = chunk_bytes;
   uint64_t total = 0;
   for (uint32_t i = 0; i < count; i++) {
-    uint16_t name_bytes = 0;
+    uint16_t name_bytes = 0, dtype_bytes = 0;
     BufferPlacement b;
     uint64_t nbytes = 0;
     if (!r.get(&name_bytes) || name_bytes == 0 || name_bytes > kMaxNameBytes || !r.get_string(name_bytes, &b.name) ||
-        !r.get(&nbytes) || !r.get(&b.device))
+        !r.get(&nbytes) || !r.get(&b.device) || !r.get(&dtype_bytes) || dtype_bytes > kMaxDtypeBytes ||
+        !r.get_string(dtype_bytes, &b.dtype))
       return bad_meta("truncated or invalid buffer entry " + std::to_string(i));
     if (b.device < kHostDevice) return bad_meta("invalid device");
     if (nbytes > (1ull << 44) || (total += nbytes) > (1ull << 46)) return bad_meta("buffer sizes out of range");
@@ -168,14 +174,31 @@ Status decode_meta(const std::string& bytes, VersionMeta* out) {
   return Status::Ok();
 }
 
-uint32_t chunk_checksum(const Layout& layout, size_t c, const unsigned char* region) {
+Status recv_chunk(Socket& s, const Layout& layout, size_t c, unsigned char* region, Deadline deadline, uint32_t* crc) {
   const ChunkPlacement& chunk = layout.chunks[c];
-  uint32_t crc = 0;
-  for (uint32_t s = 0; s < chunk.segment_count; s++) {
-    const Segment& seg = layout.segments[chunk.first_segment + s];
-    crc = crc32c_extend(crc, region + seg.region_offset, seg.nbytes);
+  const Segment* seg = layout.segments.data() + chunk.first_segment;
+  const Segment* const end = seg + chunk.segment_count;
+  constexpr size_t kPiece = 256 * 1024;  // fits in L2 with room to spare
+  uint32_t sum = 0;
+  size_t at = chunk.offset;  // region offset received so far
+  const size_t stop = chunk.offset + chunk.nbytes;
+  while (at < stop) {
+    size_t got = 0;
+    PEERSTATE_RETURN_IF_ERROR(s.recv_some(region + at, std::min(kPiece, stop - at), &got, deadline));
+    // Checksum the parts of segments inside [at, at + got); padding between segments is skipped.
+    for (; seg != end && seg->region_offset < at + got; ) {
+      const size_t lo = std::max(seg->region_offset, at);
+      const size_t hi = std::min(seg->region_offset + seg->nbytes, at + got);
+      if (lo < hi) sum = crc32c_extend(sum, region + lo, hi - lo);
+      if (seg->region_offset + seg->nbytes <= at + got)
+        ++seg;
+      else
+        break;
+    }
+    at += got;
   }
-  return crc;
+  *crc = sum;
+  return Status::Ok();
 }
 
 Status handshake_client(Socket& s, const std::string& secret, int32_t rank, Deadline deadline) {

@@ -72,7 +72,7 @@ struct VersionMeta {
   int32_t source_rank = -1;
   int64_t version = -1;
   size_t chunk_bytes = 0;
-  std::vector<BufferPlacement> buffers;  // name, nbytes, device (offsets from the layout)
+  std::vector<BufferPlacement> buffers;  // name, nbytes, device, dtype (offsets from the layout)
   std::vector<uint32_t> checksums;       // one per chunk
   std::shared_ptr<const Layout> layout;
 };
@@ -82,8 +82,10 @@ struct VersionMeta {
 Status finish_meta(VersionMeta* meta);
 std::string encode_meta(const VersionMeta& meta);
 Status decode_meta(const std::string& bytes, VersionMeta* out);
-// CRC32C of chunk `c` as it lies in `region` (over its segments).
-uint32_t chunk_checksum(const Layout& layout, size_t c, const unsigned char* region);
+// Receives chunk `c` (its nbytes) straight into its place in `region`,
+// checksumming each piece as it lands, while it is still in cache: the CRC
+// costs no second pass over memory. *crc gets the chunk's CRC32C.
+Status recv_chunk(Socket& s, const Layout& layout, size_t c, unsigned char* region, Deadline deadline, uint32_t* crc);
 
 Status handshake_client(Socket& s, const std::string& secret, int32_t rank, Deadline deadline);
 Status handshake_server(Socket& s, const std::string& secret, int32_t* client_rank, Deadline deadline);

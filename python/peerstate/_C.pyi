@@ -37,10 +37,11 @@ class SnapshotStore:
         budget_bytes: int = 0,
         checksums: bool = True,
     ) -> None: ...
-    def register_buffers(self, buffers: List[Tuple[str, int, int, int]]) -> None:
-        """Add or replace (name, pointer, nbytes, device) buffers, all or nothing;
-        device -1 is host memory. Raises BusyError while a version is in flight,
-        BudgetExceededError, UnavailableError for device memory without CUDA."""
+    def register_buffers(self, buffers: List[Tuple[Any, ...]]) -> None:
+        """Add or replace (name, pointer, nbytes, device[, dtype]) buffers, all or
+        nothing; device -1 is host memory; dtype is a tag compared on restore.
+        Raises BusyError while a version is in flight, BudgetExceededError,
+        UnavailableError for device memory without CUDA."""
     def unregister(self, names: List[str]) -> None: ...
     def snapshot(self, version: int, after_stream: int = 0) -> None:
         """Start copying as `version` and return; waits first for a version in flight."""
@@ -48,12 +49,14 @@ class SnapshotStore:
         """Block (GIL released) until the version in flight commits; raise its error."""
     def restore(self, version: int) -> None:
         """Verify, then copy a committed version into the buffers; nothing written on error."""
+    def allocate(self) -> None:
+        """Allocate and fault in every version slot now, not on the first snapshots."""
     def close(self) -> None: ...
     def committed_versions(self) -> List[int]: ...
     def in_flight_version(self) -> Optional[int]: ...
     def memory(self) -> Dict[str, Any]: ...
     def version_info(self, version: int) -> Dict[str, Any]:
-        """{version, nbytes, buffers: [(name, nbytes, device, offset)],
+        """{version, nbytes, chunk_bytes, buffers: [(name, nbytes, device, offset, dtype)],
         chunks: [(offset, nbytes, device)], checksums: [crc32c per chunk]}"""
     def stored_bytes(self, version: int) -> memoryview:
         """Writable view of a committed version's bytes, valid until its slot is reused."""
@@ -80,3 +83,83 @@ def measure_parallel_memcpy(
     sources: List[Tuple[int, int]], threads: int, repeats: int = 3, streaming: bool = False
 ) -> float:
     """Best seconds of `repeats` parallel copies of the sources into one region."""
+
+class ReplicaStore:
+    """The buddies' snapshots held here: per source rank, the committed version and at
+    most one incoming one (see csrc/core/replica_store.h). Thread-safe."""
+
+    def __init__(self, *, budget_bytes: int = 0) -> None: ...
+    def reserve(self, source_rank: int, bytes_per_version: int) -> None:
+        """Account 2 versions of `source_rank`; BudgetExceededError if over budget."""
+    def committed(self) -> List[Tuple[int, int]]: ...
+    def held_bytes(self) -> int: ...
+    def reserved_bytes(self) -> int: ...
+    @property
+    def budget_bytes(self) -> int: ...
+    def info(self, source_rank: int) -> Dict[str, Any]: ...
+    def stored_bytes(self, source_rank: int) -> bytes:
+        """A copy of the committed replica's region."""
+
+class TcpServer:
+    """Serves pushes into `replicas` and pulls from them or from `own_store`, after a
+    mutual HMAC-SHA256 handshake on the job secret. Binds `host` (loopback by
+    default). Hostile peers get their connection closed and a log line on stderr."""
+
+    def __init__(
+        self,
+        replicas: ReplicaStore,
+        own_store: Optional[SnapshotStore],
+        *,
+        secret: bytes,
+        rank: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        io_timeout_ms: int = 30000,
+    ) -> None: ...
+    @property
+    def port(self) -> int: ...
+    def stop(self) -> None: ...
+    def stats(self) -> Dict[str, int]:
+        """{accepted, rejected, active} connections."""
+
+class Transport:
+    """One transport interface (csrc/core/transport.h): blocking, GIL released."""
+
+    @property
+    def name(self) -> str: ...
+    def abort(self) -> None:
+        """Fail every pending and later call with AbortedError, promptly."""
+    def describe(self, peer: int, source_rank: int, version: int) -> Dict[str, Any]: ...
+    def send_region(self, peer: int, meta: Dict[str, Any], region: int, source_rank: int = -1) -> None:
+        """Send every chunk of the version `meta` describes, read from `region`."""
+    def receive_region(self, peer: int, meta: Dict[str, Any], region: int, source_rank: int = -1) -> None:
+        """Receive every chunk of that version into `region`, verified."""
+
+class TcpTransport(Transport):
+    def __init__(
+        self,
+        *,
+        secret: bytes,
+        rank: int,
+        connections_per_peer: int = 4,
+        connect_timeout_ms: int = 5000,
+        io_timeout_ms: int = 30000,
+    ) -> None: ...
+    def add_peer(self, rank: int, host: str, port: int) -> None: ...
+
+class Replicator:
+    """Pushes committed versions of `store` to holders (background, one round in
+    flight) and pulls a rank's state from several sources at once."""
+
+    def __init__(self, store: SnapshotStore, transport: Transport, rank: int) -> None: ...
+    def replicate(self, version: int, holders: List[int]) -> None: ...
+    def wait(self, version: int) -> List[Tuple[int, Optional[Error]]]: ...
+    def in_flight_version(self) -> Optional[int]: ...
+    def pull(self, sources: List[Tuple[int, int]], version: int = -1) -> int:
+        """(peer, whose state) pairs; lands a committed version in the store; returns it."""
+
+def hmac_sha256(key: bytes, data: bytes) -> bytes: ...
+def nccl_load() -> Dict[str, Any]:
+    """Find libnccl at run time: {version, version_code, origin}; UnavailableError says why not."""
+def nccl_unique_id() -> bytes: ...
+def nccl_transport(unique_id: bytes, nranks: int, rank: int, device: int, timeout_ms: int = 60000) -> Transport: ...

@@ -26,6 +26,7 @@ class Buffer:
     nbytes: int
     device: int  # CUDA device index, or HOST
     owner: Any  # kept alive while registered
+    dtype: str = ""  # e.g. "torch.float32[1024,4096]": a restore into other bytes is refused
 
     def moved(self) -> str | None:
         """Why ``owner`` no longer matches this region, or None if it still does."""
@@ -75,7 +76,7 @@ def _describe_tensor(name: str, t: Any) -> Buffer:
             f"tensor '{name}' is on device '{t.device}'; peerstate snapshots CPU and CUDA tensors"
         )
     nbytes = t.numel() * t.element_size()
-    return Buffer(t.data_ptr() if nbytes else 0, nbytes, device, t)
+    return Buffer(t.data_ptr() if nbytes else 0, nbytes, device, t, f"{t.dtype}{list(t.shape)}")
 
 
 def _describe_cuda_array(name: str, a: Any) -> Buffer:
@@ -101,7 +102,7 @@ def _describe_cuda_array(name: str, a: Any) -> Buffer:
     device = getattr(getattr(a, "device", None), "id", None)
     if device is None:
         raise InvalidArgumentError(f"cannot tell which CUDA device holds array '{name}' (no .device.id)")
-    return Buffer(ptr if count else 0, count * itemsize, int(device), a)
+    return Buffer(ptr if count else 0, count * itemsize, int(device), a, f"{np.dtype(cai['typestr'])}{list(cai['shape'])}")
 
 
 def _describe_host_buffer(name: str, obj: Any) -> Buffer:
@@ -121,4 +122,5 @@ def _describe_host_buffer(name: str, obj: Any) -> Buffer:
         raise InvalidArgumentError(f"array '{name}' is not C-contiguous; register np.ascontiguousarray(a) and use that")
     if not array.flags.writeable:
         raise InvalidArgumentError(f"array '{name}' is read-only; a restore must write into it")
-    return Buffer(array.ctypes.data if array.nbytes else 0, array.nbytes, HOST, obj)
+    kind = f"numpy.{array.dtype}{list(array.shape)}" if array is obj else f"bytes[{array.nbytes}]"
+    return Buffer(array.ctypes.data if array.nbytes else 0, array.nbytes, HOST, obj, kind)

@@ -91,7 +91,7 @@ class SnapshotStore:
     def register_many(self, buffers: Mapping[str, Any]) -> None:
         """Register several at once: all or nothing, one layout computation."""
         described = {name: describe(name, obj) for name, obj in buffers.items()}
-        self._native.register_buffers([(n, b.ptr, b.nbytes, b.device) for n, b in described.items()])
+        self._native.register_buffers([(n, b.ptr, b.nbytes, b.device, b.dtype) for n, b in described.items()])
         self._buffers.update(described)
 
     def register_object(self, name: str, get: Callable[[], Any], set: Callable[[Any], None]) -> None:
@@ -193,6 +193,10 @@ class SnapshotStore:
     def stored_bytes(self, version: int) -> memoryview:
         """The raw bytes of a committed version (writable: for transports and fault tests)."""
         return self._native.stored_bytes(version)
+
+    def allocate(self) -> None:
+        """Allocate every version slot now (a hot spare does this before it is needed)."""
+        self._native.allocate()
 
     def close(self) -> None:
         """Cancel the version in flight and free all snapshot memory."""

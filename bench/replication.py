@@ -1,0 +1,164 @@
+"""Replication throughput on loopback beside plain TCP of the same bytes.
+
+Push: a rank's committed version to one holder (replicate + wait), with 1, 2
+and 4 connections. Pull: a fresh rank's recover() of that state from one and
+two holders (pull into its store, then restore into its tensors), its store's
+memory allocated beforehand as a hot spare's would be. The limit,
+measured in the same run, is plain TCP over loopback with the same number of
+connections: ``socket.sendall`` / ``recv_into`` of the same bytes, no
+handshake, no checksums, no bookkeeping. Everything runs in one process on
+the same cores, as both ends of a real transfer would share a node's CPUs
+here. Prints a table; writes ``bench/results/replication.json``.
+
+    python bench/replication.py            # 256 MiB and 1 GiB of state
+    python bench/replication.py --quick    # 256 MiB only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import secrets
+import socket
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import peerstate
+from peerstate import _C
+
+MiB = 1 << 20
+
+
+def plain_tcp_GBps(payload: memoryview, connections: int, repeats: int) -> float:
+    """Best rate of moving `payload` over `connections` loopback TCP streams."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(connections)
+    port = listener.getsockname()[1]
+    senders = [socket.create_connection(("127.0.0.1", port)) for _ in range(connections)]
+    receivers = [listener.accept()[0] for _ in range(connections)]
+    sink = bytearray(len(payload))
+    share = (len(payload) + connections - 1) // connections
+    best = float("inf")
+    try:
+        for _ in range(repeats):
+            def send(i):
+                senders[i].sendall(payload[i * share:(i + 1) * share])
+
+            def receive(i):
+                view = memoryview(sink)[i * share:min(len(payload), (i + 1) * share)]
+                while len(view):
+                    n = receivers[i].recv_into(view)
+                    view = view[n:]
+
+            threads = [threading.Thread(target=f, args=(i,)) for i in range(connections) for f in (send, receive)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        for s in senders + receivers + [listener]:
+            s.close()
+    return len(payload) / best / 1e9
+
+
+class Rank:
+    def __init__(self, rank, placement, secret, nbytes, connections, fill):
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        if fill:
+            self.tensor.random_(0, 256, generator=torch.Generator().manual_seed(rank))
+        else:
+            self.tensor.zero_()
+        self.store = peerstate.SnapshotStore()
+        self.store.register("state", self.tensor)
+        self.repl = peerstate.Replication(self.store, rank, placement, secret=secret,
+                                          connections_per_peer=connections, io_timeout=120)
+
+    def close(self):
+        self.repl.close()
+        self.store.close()
+
+
+def run(size_mib: int, repeats: int) -> list:
+    nbytes = size_mib * MiB
+    secret = secrets.token_bytes(32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 3 ranks on 3 "nodes" of one machine
+        placement = peerstate.BuddyPlacement(["a", "b", "c"], k=2)
+    rows = []
+    for connections in (1, 2, 4):
+        ranks = [Rank(r, placement, secret, nbytes, connections, fill=(r == 0)) for r in range(3)]
+        try:
+            addresses = {r: ranks[r].repl.address for r in range(3)}
+            for r in ranks:
+                r.repl.connect(addresses)
+            size = ranks[0].store.memory()["bytes_per_version"]
+            for holder in placement.holders(0):
+                ranks[holder].repl.reserve({0: size})
+            push = float("inf")
+            for version in range(1, repeats + 2):
+                ranks[0].store.snapshot(version).wait()
+                start = time.perf_counter()
+                ranks[0].repl.replicator.replicate(version, [placement.holders(0)[0]])  # one holder
+                ranks[0].repl.wait(version)
+                if version > 1:  # the first round also opens the connections
+                    push = min(push, time.perf_counter() - start)
+            limit = plain_tcp_GBps(memoryview(ranks[0].tensor.numpy()), connections, repeats)
+            rows.append(dict(case=f"push {size_mib}MiB x{connections} conn", ours_GBps=nbytes / push / 1e9,
+                             limit_GBps=limit, ratio=nbytes / push / 1e9 / limit))
+            if connections == 4:
+                ranks[0].store.snapshot(repeats + 2).wait()
+                ranks[0].repl.replicate(repeats + 2)
+                ranks[0].repl.wait(repeats + 2)  # now both holders have it
+                for sources in ([1], [1, 2]):
+                    best = float("inf")
+                    for _ in range(repeats):
+                        fresh = Rank(0, placement, secret, nbytes, connections, fill=False)
+                        fresh.store.allocate()  # a hot spare's memory is ready before the failure
+                        fresh.repl.connect(addresses)
+                        start = time.perf_counter()
+                        fresh.repl.recover(0, sources=sources)
+                        best = min(best, time.perf_counter() - start)
+                        assert torch.equal(fresh.tensor, ranks[0].tensor)
+                        fresh.close()
+                    rows.append(dict(case=f"pull {size_mib}MiB from {len(sources)} x{connections} conn",
+                                     ours_GBps=nbytes / best / 1e9, limit_GBps=limit,
+                                     ratio=nbytes / best / 1e9 / limit))
+        finally:
+            for r in ranks:
+                r.close()
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="256 MiB only")
+    parser.add_argument("--sizes", type=int, nargs="*", help="state sizes in MiB")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replication.json"))
+    args = parser.parse_args(argv)
+    sizes = args.sizes or ([256] if args.quick else [256, 1024])
+    rows = [row for size in sizes for row in run(size, args.repeats)]
+    print(f"{'case':<34}{'ours GB/s':>11}{'plain TCP GB/s':>16}{'ratio':>8}")
+    for r in rows:
+        print(f"{r['case']:<34}{r['ours_GBps']:>11.2f}{r['limit_GBps']:>16.2f}{r['ratio']:>8.2f}")
+    result = dict(benchmark="replication",
+                  command="python " + " ".join(["bench/replication.py", *(argv if argv is not None else sys.argv[1:])]),
+                  machine=dict(cores=_C.available_cores(), cpu=platform.processor() or platform.machine()),
+                  repeats=args.repeats, rows=rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
