@@ -3,7 +3,7 @@
 #include <array>
 #include <stdexcept>
 
-#include "bindings/errors.h"
+#include "bindings/common.h"
 
 namespace py = pybind11;
 

@@ -6,7 +6,7 @@
 #include <memory>
 #include <string>
 
-#include "bindings/errors.h"
+#include "bindings/common.h"
 #include "core/nccl_library.h"
 #include "core/nccl_transport.h"
 #include "core/replica_store.h"
@@ -17,22 +17,6 @@ namespace py = pybind11;
 
 namespace peerstate::bindings {
 namespace {
-
-py::dict meta_dict(const VersionMeta& meta) {
-  py::list buffers, chunks;
-  for (const BufferPlacement& b : meta.layout->buffers)
-    buffers.append(py::make_tuple(b.name, b.nbytes, b.device, b.offset, b.dtype));
-  for (const ChunkPlacement& c : meta.layout->chunks) chunks.append(py::make_tuple(c.offset, c.nbytes, c.device));
-  py::dict d;
-  d["source_rank"] = meta.source_rank;
-  d["version"] = meta.version;
-  d["nbytes"] = meta.layout->region_bytes;
-  d["chunk_bytes"] = meta.layout->chunk_bytes;
-  d["buffers"] = buffers;
-  d["chunks"] = chunks;
-  d["checksums"] = meta.checksums;
-  return d;
-}
 
 // The inverse of meta_dict / SnapshotStore.version_info (offsets are recomputed, not trusted).
 VersionMeta meta_from_dict(const py::dict& d, int source_rank) {
@@ -80,6 +64,22 @@ NcclLibrary load_nccl() {
 }
 
 }  // namespace
+
+py::dict meta_dict(const VersionMeta& meta) {
+  py::list buffers, chunks;
+  for (const BufferPlacement& b : meta.layout->buffers)
+    buffers.append(py::make_tuple(b.name, b.nbytes, b.device, b.offset, b.dtype));
+  for (const ChunkPlacement& c : meta.layout->chunks) chunks.append(py::make_tuple(c.offset, c.nbytes, c.device));
+  py::dict d;
+  d["source_rank"] = meta.source_rank;
+  d["version"] = meta.version;
+  d["nbytes"] = meta.layout->region_bytes;
+  d["chunk_bytes"] = meta.layout->chunk_bytes;
+  d["buffers"] = buffers;
+  d["chunks"] = chunks;
+  d["checksums"] = meta.checksums;
+  return d;
+}
 
 void bind_replication(py::module_& m) {
   py::class_<ReplicaStore, std::unique_ptr<ReplicaStore, ReleaseGilDeleter>>(m, "ReplicaStore")

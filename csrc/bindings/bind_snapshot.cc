@@ -5,7 +5,7 @@
 #include <memory>
 #include <string>
 
-#include "bindings/errors.h"
+#include "bindings/common.h"
 #include "core/crc32c.h"
 #include "core/device_copy.h"
 #include "core/parallel_copy.h"
@@ -26,22 +26,6 @@ Crc32cImplementation parse_implementation(const std::string& name) {
   raise_if_error(Status(StatusCode::kInvalidArgument,
                         "implementation must be 'auto', 'hardware' or 'software' (got '" + name + "')"));
   return Crc32cImplementation::kAuto;
-}
-
-py::dict version_dict(const VersionView& v) {
-  py::list buffers, chunks;
-  for (const BufferPlacement& b : v.layout->buffers)
-    buffers.append(py::make_tuple(b.name, b.nbytes, b.device, b.offset, b.dtype));
-  for (const ChunkPlacement& c : v.layout->chunks)
-    chunks.append(py::make_tuple(c.offset, c.nbytes, c.device));
-  py::dict d;
-  d["version"] = v.version;
-  d["nbytes"] = v.nbytes;
-  d["chunk_bytes"] = v.layout->chunk_bytes;
-  d["buffers"] = buffers;
-  d["chunks"] = chunks;
-  d["checksums"] = v.checksums;
-  return d;
 }
 
 }  // namespace
@@ -107,7 +91,7 @@ void bind_snapshot(py::module_& m) {
       .def("version_info", [](const SnapshotStore& s, int64_t version) {
         VersionView v;
         raise_if_error(s.view(version, &v));
-        return version_dict(v);
+        return meta_dict(meta_of(-1, v));
       })
       .def("stored_bytes", [](const SnapshotStore& s, int64_t version) {
         VersionView v;

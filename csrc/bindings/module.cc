@@ -1,5 +1,5 @@
 // peerstate._C: the native core. Each subsystem registers its own bindings.
-#include "bindings/errors.h"
+#include "bindings/common.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "peerstate native core (see peerstate/_C.pyi)";

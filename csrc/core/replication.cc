@@ -36,13 +36,7 @@ Status Replicator::replicate(int64_t version, const std::vector<int>& holders) {
   auto round = std::make_shared<Round>();
   round->version = version;
   round->results.resize(holders.size());
-  VersionMeta meta;
-  meta.source_rank = rank_;
-  meta.version = version;
-  meta.chunk_bytes = view.layout->chunk_bytes;
-  meta.buffers = view.layout->buffers;
-  meta.checksums = view.checksums;
-  meta.layout = view.layout;
+  const VersionMeta meta = meta_of(rank_, view);
   for (size_t i = 0; i < holders.size(); i++) {
     round->results[i].holder = holders[i];
     round->threads.emplace_back([this, round = round.get(), i, meta, data = view.mutable_data] {

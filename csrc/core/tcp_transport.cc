@@ -228,12 +228,7 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
     if (st.ok() && view.checksums.empty())
       st = Status(StatusCode::kUnavailable, "this rank's snapshots have checksums off; they cannot be served");
     if (st.ok()) {
-      served.meta.source_rank = options_.rank;
-      served.meta.version = view.version;
-      served.meta.chunk_bytes = view.layout->chunk_bytes;
-      served.meta.buffers = view.layout->buffers;
-      served.meta.checksums = view.checksums;
-      served.meta.layout = view.layout;
+      served.meta = meta_of(options_.rank, view);
       served.data = view.data;
     }
   } else {

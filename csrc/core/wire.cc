@@ -100,6 +100,17 @@ Status expect_ack(Socket& s, Deadline deadline) {
   return Status::Ok();
 }
 
+VersionMeta meta_of(int32_t source_rank, const VersionView& view) {
+  VersionMeta meta;
+  meta.source_rank = source_rank;
+  meta.version = view.version;
+  meta.chunk_bytes = view.layout->chunk_bytes;
+  meta.buffers = view.layout->buffers;
+  meta.checksums = view.checksums;
+  meta.layout = view.layout;
+  return meta;
+}
+
 Status finish_meta(VersionMeta* meta) {
   std::vector<BufferRegistration> regs;
   regs.reserve(meta->buffers.size());

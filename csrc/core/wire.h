@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/layout.h"
+#include "core/snapshot_store.h"
 #include "core/sha256.h"
 #include "core/socket.h"
 #include "core/status.h"
@@ -76,6 +77,9 @@ struct VersionMeta {
   std::vector<uint32_t> checksums;       // one per chunk
   std::shared_ptr<const Layout> layout;
 };
+
+// The metadata of a committed snapshot of `source_rank`, as it travels.
+VersionMeta meta_of(int32_t source_rank, const VersionView& view);
 
 // Fills meta.layout from meta.buffers and meta.chunk_bytes; kProtocolError when
 // the checksum count does not match the chunk count.

@@ -1,9 +1,11 @@
-// Status -> Python exception, for every binding.
+// What every binding file shares: Status -> Python exception, GIL-free
+// calls and destruction, and the version-metadata dict.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
 #include "core/status.h"
+#include "core/wire.h"
 
 namespace peerstate::bindings {
 
@@ -38,6 +40,11 @@ void call_without_gil(Fn&& fn) {
   }
   raise_if_error(st);
 }
+
+// A version's metadata as the dict version_info(), info() and describe() return:
+// {source_rank, version, nbytes, chunk_bytes, buffers: [(name, nbytes, device,
+// offset, dtype)], chunks: [(offset, nbytes, device)], checksums}.
+pybind11::dict meta_dict(const VersionMeta& meta);
 
 void bind_errors(pybind11::module_& m);
 void bind_snapshot(pybind11::module_& m);
