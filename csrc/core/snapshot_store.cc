@@ -270,23 +270,23 @@ Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream) {
     std::lock_guard<std::mutex> lock(mutex_);
     in_flight_ = job;
   }
-  // Host chunks go to the workers in long runs of consecutive chunks (about two
-  // per thread): each thread then streams through memory like one big memcpy,
-  // which measured ~10% faster than handing out 4 MiB chunks one by one.
-  // Device chunks stay one per item so each is checksummed as soon as it lands.
-  size_t host_bytes = 0;
-  for (const ChunkPlacement& chunk : layout->chunks)
-    if (chunk.device == kHostDevice) host_bytes += chunk.nbytes;
-  const size_t run_bytes = std::max<size_t>(host_bytes / (2 * pool_->size()) + 1, 1);
-  for (size_t c = 0; c < layout->chunks.size();) {
-    size_t end = c + 1;
-    if (layout->chunks[c].device == kHostDevice) {
-      size_t bytes = layout->chunks[c].nbytes;
-      while (end < layout->chunks.size() && layout->chunks[end].device == kHostDevice && bytes < run_bytes)
-        bytes += layout->chunks[end++].nbytes;
-    }
-    job->work.emplace_back(c, end);
-    c = end;
+  // Host chunks go to the workers in long runs of consecutive chunks, two per
+  // thread and equal in chunk count (chunks are equal in size but for the last
+  // of each buffer): each thread then streams through memory like one big
+  // memcpy, measured ~10% faster than handing out 4 MiB chunks one by one.
+  // Device chunks stay one per item, so each is checksummed as soon as it lands.
+  std::vector<size_t> host_chunks;
+  for (size_t c = 0; c < layout->chunks.size(); c++) {
+    if (layout->chunks[c].device == kHostDevice)
+      host_chunks.push_back(c);
+    else
+      job->work.emplace_back(c, c + 1);
+  }
+  const size_t runs = std::min(host_chunks.size(), 2 * pool_->size());
+  for (size_t r = 0; r < runs; r++) {
+    const size_t first = host_chunks[r * host_chunks.size() / runs];
+    const size_t last = host_chunks[(r + 1) * host_chunks.size() / runs - 1];
+    job->work.emplace_back(first, last + 1);  // host chunks are consecutive: they precede device ones
   }
   InFlight* raw = job.get();
   job->job = pool_->submit(
