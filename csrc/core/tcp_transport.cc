@@ -1,6 +1,7 @@
 #include "core/tcp_transport.h"
 
 #include <cstdio>
+#include <deque>
 #include <vector>
 
 #include "core/crc32c.h"
@@ -428,13 +429,32 @@ Status TcpTransport::receive(int peer, const TransferPlan& plan) {
   const Layout& layout = *meta.layout;
   return on_every_link(ls, [&](Link& l) -> Status {
     std::lock_guard<std::mutex> lock(l.mutex);
+    // Requests are pipelined, kRequestsInFlight per connection, so the peer
+    // never waits for a round trip between chunks. The server answers in order.
+    constexpr size_t kRequestsInFlight = 3;
+    std::deque<uint32_t> requested;
+    auto fail = [&](Status st) {
+      for (uint32_t r : requested) plan.queue->give_back(r);
+      l.socket.close();
+      return checked(st);
+    };
     uint32_t c;
-    while (plan.queue->take(&c)) {
+    for (;;) {
+      // Top up without blocking; block for a chunk only with nothing requested,
+      // since chunks this link holds would never come back to the queue.
+      while (requested.size() < kRequestsInFlight &&
+             (requested.empty() ? plan.queue->take(&c) : plan.queue->try_take(&c))) {
+        requested.push_back(c);
+        Status st = send_frame(l.socket, header(FrameType::kGetChunk, meta.source_rank, meta.version, c), nullptr,
+                               deadline_after_ms(options_.io_timeout_ms));
+        if (!st.ok()) return fail(st);
+      }
+      if (requested.empty()) return Status::Ok();
+      c = requested.front();
       const ChunkPlacement& chunk = layout.chunks[c];
       Deadline d = deadline_after_ms(options_.io_timeout_ms);
       FrameHeader h;
-      Status st = send_frame(l.socket, header(FrameType::kGetChunk, meta.source_rank, meta.version, c), nullptr, d);
-      if (st.ok()) st = recv_header(l.socket, &h, d);
+      Status st = recv_header(l.socket, &h, d);
       if (st.ok() && h.type == static_cast<uint16_t>(FrameType::kError)) st = read_error(l.socket, h, d);
       else if (st.ok() && (h.type != static_cast<uint16_t>(FrameType::kChunk) || h.chunk != c ||
                            h.version != meta.version || h.length != chunk.nbytes))
@@ -445,14 +465,10 @@ Status TcpTransport::receive(int peer, const TransferPlan& plan) {
       if (st.ok() && crc != meta.checksums[c])
         st = Status(StatusCode::kChecksumMismatch, "chunk " + std::to_string(c) + " from rank " +
                                                        std::to_string(peer) + " failed its CRC32C");
-      if (!st.ok()) {
-        plan.queue->give_back(c);
-        l.socket.close();
-        return checked(st);
-      }
+      if (!st.ok()) return fail(st);
+      requested.pop_front();
       plan.queue->complete(c);
     }
-    return Status::Ok();
   });
 }
 

@@ -17,6 +17,15 @@ bool ChunkQueue::take(uint32_t* chunk) {
   return true;
 }
 
+bool ChunkQueue::try_take(uint32_t* chunk) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (free_.empty()) return false;
+  *chunk = free_.back();
+  free_.pop_back();
+  in_progress_++;
+  return true;
+}
+
 void ChunkQueue::complete(uint32_t) {
   std::lock_guard<std::mutex> lock(mutex_);
   in_progress_--;

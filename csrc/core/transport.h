@@ -43,6 +43,8 @@ class ChunkQueue {
   // Hands out a chunk. Blocks while none is free but some are still in
   // progress (they may be given back); false once every chunk is done.
   bool take(uint32_t* chunk);
+  // Hands out a free chunk if there is one; never blocks.
+  bool try_take(uint32_t* chunk);
   void complete(uint32_t chunk);
   void give_back(uint32_t chunk);
   bool finished() const;
