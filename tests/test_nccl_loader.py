@@ -68,6 +68,24 @@ def test_good_enough_nccl_loads(tmp_path):
     assert out.startswith("OK") and "'version': '2.21.5'" in out, out
 
 
+@pytest.mark.skipif(peerstate.cuda_available(), reason="a GPU machine may well have NCCL")
+def test_store_wiring_fails_cleanly_without_nccl(tmp_path):
+    code = textwrap.dedent("""
+        import peerstate, peerstate.nccl
+        class Store(dict):
+            def set(self, k, v): self[k] = v
+            def get(self, k): return self[k]
+        store = Store()
+        try:
+            peerstate.nccl.nccl_transport(store, 0, 2, 0)
+        except peerstate.UnavailableError as e:
+            print("UNAVAILABLE", e, "| keys:", sorted(store))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PEERSTATE_NCCL_LIBRARY=""),
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path).stdout.strip()
+    assert out.startswith("UNAVAILABLE NCCL not found") and out.endswith("| keys: []"), out
+
+
 @pytest.mark.skipif(peerstate.cuda_compiled(), reason="checks the host-only build's answer")
 def test_host_only_build_has_no_nccl_transport():
     with pytest.raises(peerstate.UnavailableError, match="no CUDA support"):
@@ -82,12 +100,10 @@ def test_nccl_transfer_between_two_gpus(tmp_path):
         import sys, torch, peerstate
         from peerstate import _C
         rank, port = int(sys.argv[1]), int(sys.argv[2])
+        import peerstate.nccl
         store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=True)
         torch.cuda.set_device(rank)
-        if rank == 0:
-            store.set("nccl_id", _C.nccl_unique_id())
-        uid = store.get("nccl_id")
-        transport = _C.nccl_transport(uid, 2, rank, rank)
+        transport = peerstate.nccl.nccl_transport(store, rank, 2, rank)
         n = 64 << 20
         buf = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=torch.Generator("cuda").manual_seed(3)) \\
             if rank == 0 else torch.zeros(n, dtype=torch.uint8, device="cuda")

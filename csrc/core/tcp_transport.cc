@@ -206,7 +206,12 @@ Status TcpServer::handle(Connection& c, const FrameHeader& h) {
     }
     case FrameType::kPutCommit: {
       if (h.source_rank != c.peer_rank) return Status(StatusCode::kProtocolError, "commit of another rank's state");
-      Status st = replicas_->commit(h.source_rank, h.version, deadline);
+      // Wait in slices, so that stop() is not held up by a commit that waits
+      // for chunks which will never come.
+      Status st;
+      do {
+        st = replicas_->commit(h.source_rank, h.version, std::min(deadline, deadline_after_ms(100)));
+      } while (st.code() == StatusCode::kTimeout && Clock::now() < deadline && !stopping_.load());
       if (!st.ok()) return send_error(c.socket, st, deadline);
       return send_frame(c.socket, header(FrameType::kAck, h.source_rank, h.version), nullptr, deadline);
     }
