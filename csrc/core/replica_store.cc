@@ -71,8 +71,8 @@ Status ReplicaStore::begin(const VersionMeta& meta) {
   return Status::Ok();
 }
 
-Status ReplicaStore::chunk_target(int source_rank, int64_t version, uint32_t chunk, uint64_t length,
-                                  std::shared_ptr<ReplicaVersion>* keep, unsigned char** target) {
+Status ReplicaStore::expect_chunk(int source_rank, int64_t version, uint32_t chunk, uint64_t length,
+                                  std::shared_ptr<ReplicaVersion>* incoming_out) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = sources_.find(source_rank);
   if (it == sources_.end() || !it->second.incoming || it->second.incoming->meta.version != version)
@@ -87,8 +87,7 @@ Status ReplicaStore::chunk_target(int source_rank, int64_t version, uint32_t chu
     return Status(StatusCode::kProtocolError, "chunk " + std::to_string(chunk) + " has " + std::to_string(length) +
                                                   " bytes, the layout says " +
                                                   std::to_string(layout.chunks[chunk].nbytes));
-  *keep = incoming;
-  *target = incoming->region.data() + layout.chunks[chunk].offset;
+  *incoming_out = incoming;
   return Status::Ok();
 }
 

@@ -52,11 +52,11 @@ class ReplicaStore {
   // incoming version of that source. kBudgetExceeded beyond the reservation,
   // kNotFound for a source with no reservation.
   Status begin(const VersionMeta& meta);
-  // Where the bytes of chunk `chunk` must land, after checking that the chunk
-  // belongs to the incoming version and has exactly `length` bytes
-  // (kProtocolError otherwise). `keep` holds the version alive while writing.
-  Status chunk_target(int source_rank, int64_t version, uint32_t chunk, uint64_t length,
-                      std::shared_ptr<ReplicaVersion>* keep, unsigned char** target);
+  // Checks that chunk `chunk` belongs to the incoming version and has exactly
+  // `length` bytes (kProtocolError otherwise) and hands out that version, to
+  // hold alive while the chunk is written into its place in the region.
+  Status expect_chunk(int source_rank, int64_t version, uint32_t chunk, uint64_t length,
+                      std::shared_ptr<ReplicaVersion>* incoming);
   // Records a chunk that landed with CRC32C `crc` (kChecksumMismatch, failing
   // the version, when it differs from the metadata's).
   Status chunk_arrived(const std::shared_ptr<ReplicaVersion>& incoming, uint32_t chunk, uint32_t crc);

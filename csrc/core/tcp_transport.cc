@@ -192,12 +192,11 @@ Status TcpServer::handle(Connection& c, const FrameHeader& h) {
     }
     case FrameType::kPutChunk: {
       std::shared_ptr<ReplicaVersion> incoming;
-      unsigned char* target = nullptr;  // checked, and where recv_chunk writes
       if (h.source_rank != c.peer_rank)
         return Status(StatusCode::kProtocolError, "chunk for another rank's state");
       // Any mismatch here closes the connection: the payload that follows
       // cannot be skipped safely when its announced length is a lie.
-      PEERSTATE_RETURN_IF_ERROR(replicas_->chunk_target(h.source_rank, h.version, h.chunk, h.length, &incoming, &target));
+      PEERSTATE_RETURN_IF_ERROR(replicas_->expect_chunk(h.source_rank, h.version, h.chunk, h.length, &incoming));
       uint32_t crc = 0;
       PEERSTATE_RETURN_IF_ERROR(recv_chunk(c.socket, *incoming->meta.layout, h.chunk, incoming->region.data(), deadline, &crc));
       Status st = replicas_->chunk_arrived(incoming, h.chunk, crc);
