@@ -28,12 +28,14 @@ def test_placement_is_deterministic():
         BuddyPlacement(list(nodes), k=2).holders(r) for r in range(64)]
 
 
-def test_racks_are_separated_when_possible():
+@pytest.mark.parametrize("k", [1, 2])
+def test_racks_are_separated_when_possible(k):
     nodes = ["n0", "n1", "n2", "n3"]
     racks = ["r0", "r0", "r1", "r1"]  # one rank per node
-    p = BuddyPlacement(nodes, k=1, rack_of_rank=racks)
+    p = BuddyPlacement(nodes, k=k, rack_of_rank=racks)
     for r in range(4):
-        assert racks[p.holders(r)[0]] != racks[r]
+        assert all(racks[h] != racks[r] for h in p.holders(r)) and len(set(p.holders(r))) == k
+    assert sorted(len(p.served_by(h)) for h in range(4)) == [k] * 4
     assert p.warnings == []
 
 
@@ -89,3 +91,36 @@ def test_replica_budget_checked_at_setup():
     with pytest.raises(peerstate.BudgetExceededError, match="over its budget of 10485760 bytes"):
         replicas.reserve(1, 2 << 20)  # 2 x 4 + 2 x 2 MiB > 10 MiB
     assert replicas.reserved_bytes() == 8 << 20
+
+
+def test_bytes_of_rank_balances_bytes_per_holder():
+    nodes = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    sizes = [8, 8, 1, 1, 1, 1, 1, 1]  # two big pipeline stages on node a
+
+    def max_load(p):
+        return max(sum(sizes[r] for r in p.served_by(h)) for h in range(8))
+
+    ring = BuddyPlacement(nodes, k=1)
+    balanced = BuddyPlacement(nodes, k=1, bytes_of_rank=sizes)
+    assert max_load(ring) == 8 and max_load(balanced) == 8  # a big rank's copy weighs 8 wherever it goes
+    assert sorted(sum(sizes[r] for r in balanced.served_by(h)) for h in range(8))[-2:] == [8, 8]
+    # ...but the two big copies never land on one holder, and every copy leaves its node.
+    for r in range(8):
+        assert len(balanced.holders(r)) == 1 and nodes[balanced.holders(r)[0]] != nodes[r]
+    holders_of_big = {balanced.holders(0)[0], balanced.holders(1)[0]}
+    assert len(holders_of_big) == 2
+    assert balanced.holders(0) == BuddyPlacement(nodes, k=1, bytes_of_rank=sizes).holders(0)  # deterministic
+
+
+def test_bytes_of_rank_k2_spreads_over_nodes_and_racks():
+    nodes = ["n0", "n1", "n2", "n3"] * 2
+    racks = ["r0", "r0", "r1", "r1"] * 2
+    sizes = [5, 3, 3, 2, 2, 1, 1, 1]
+    p = BuddyPlacement(nodes, k=2, rack_of_rank=racks, bytes_of_rank=sizes)
+    for r in range(8):
+        hs = p.holders(r)
+        assert len(set(hs)) == 2 and r not in hs
+        assert all(nodes[h] != nodes[r] and racks[h] != racks[r] for h in hs)
+    loads = [sum(sizes[r] for r in p.served_by(h)) for h in range(8)]
+    assert max(loads) - min(loads) <= max(sizes)
+    assert p.warnings == []

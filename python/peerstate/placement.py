@@ -1,11 +1,15 @@
 """BuddyPlacement: which ranks hold whose snapshot.
 
-Deterministic from the world layout (each rank's node, optionally its rack):
-every process computes the same placement with no communication. Rank r's
-k buddies are the ranks with r's local index on the next k nodes of a ring of
-nodes; when racks are given, the ring alternates racks, so a buddy sits in
-another rack whenever the layout allows. With equal nodes every holder serves
-exactly k ranks (equal bytes for equal ranks).
+Deterministic from the world layout (each rank's node, optionally its rack,
+optionally its snapshot size): every process computes the same placement with
+no communication. Rank r's k buddies are the ranks with r's local index on the
+next k nodes of a ring of nodes; when racks are given, the ring alternates
+racks, so a buddy sits in another rack whenever the layout allows. With equal
+nodes every holder serves exactly k ranks: equal bytes for equal ranks. When
+ranks differ in size (``bytes_of_rank``, e.g. pipeline stages), holders are
+chosen instead largest rank first, each from the least-loaded ranks of the
+best failure domain available, so that every holder serves about the same
+bytes.
 
 Where failure domains cannot be separated (one node; fewer other nodes than
 k), the placement says so loudly: a warning by default, an error with
@@ -38,6 +42,7 @@ class BuddyPlacement:
         rack_of_rank: optional rack id of each rank.
         replica_groups: optional lists of ranks holding identical state.
         strict: raise instead of warning when failure domains cannot be separated.
+        bytes_of_rank: optional snapshot size of each rank, to balance bytes per holder.
     """
 
     def __init__(
@@ -47,6 +52,7 @@ class BuddyPlacement:
         rack_of_rank: Optional[Sequence[Hashable]] = None,
         replica_groups: Optional[Sequence[Sequence[int]]] = None,
         strict: bool = False,
+        bytes_of_rank: Optional[Sequence[int]] = None,
     ) -> None:
         world = len(node_of_rank)
         if world == 0:
@@ -55,6 +61,8 @@ class BuddyPlacement:
             raise InvalidArgumentError(f"k must be between 1 and world size - 1 = {world - 1} (got {k})")
         if rack_of_rank is not None and len(rack_of_rank) != world:
             raise InvalidArgumentError(f"rack_of_rank has {len(rack_of_rank)} entries for {world} ranks")
+        if bytes_of_rank is not None and (len(bytes_of_rank) != world or min(bytes_of_rank) < 0):
+            raise InvalidArgumentError(f"bytes_of_rank needs {world} sizes >= 0 (got {list(bytes_of_rank)})")
         self.world_size = world
         self.k = k
         self.node_of_rank = list(node_of_rank)
@@ -79,29 +87,13 @@ class BuddyPlacement:
         for rank, node in enumerate(self.node_of_rank):
             ranks_by_node.setdefault(node, []).append(rank)
         ring = self._node_ring(ranks_by_node)
-        position = {node: i for i, node in enumerate(ring)}
 
         self._holders: Dict[int, List[int]] = {}
-        for rank in range(world):
-            if rank in self._group_of:
-                self._holders[rank] = []
-                continue
-            node = self.node_of_rank[rank]
-            local = ranks_by_node[node].index(rank)
-            holders: List[int] = []
-            for step in range(1, len(ring)):
-                if len(holders) == k:
-                    break
-                other = ranks_by_node[ring[(position[node] + step) % len(ring)]]
-                holders.append(other[local % len(other)])
-            if len(holders) < k:  # fewer other nodes than k: fill from the own node, loudly
-                same = [r for r in ranks_by_node[node] if r != rank]
-                for r in same[local % max(len(same), 1):] + same[: local % max(len(same), 1)]:
-                    if len(holders) == k:
-                        break
-                    if r not in holders:
-                        holders.append(r)
-            self._holders[rank] = holders
+        if bytes_of_rank is None:
+            for rank in range(world):
+                self._holders[rank] = [] if rank in self._group_of else self._ring_holders(rank, ring, ranks_by_node)
+        else:
+            self._balance_bytes(list(bytes_of_rank))
 
         if len(ring) == 1:
             self._warn(f"all {world} ranks are on one node ({ring[0]!r}): buddies share the node, so a node "
@@ -114,6 +106,57 @@ class BuddyPlacement:
             if same_rack:
                 self._warn(f"ranks {sorted(set(same_rack))} have a buddy in their own rack: the racks are too "
                            "uneven to separate every copy", strict)
+
+    def _ring_holders(self, rank: int, ring: List[Hashable], ranks_by_node: "OrderedDict") -> List[int]:
+        """The ranks with ``rank``'s local index on the next k nodes of the ring."""
+        node = self.node_of_rank[rank]
+        position = ring.index(node)
+        local = ranks_by_node[node].index(rank)
+        order = [ring[(position + step) % len(ring)] for step in range(1, len(ring))]
+        if self.rack_of_rank is not None:  # other racks first, each in ring order
+            rack = self.rack_of_rank
+            order = ([n for n in order if rack[ranks_by_node[n][0]] != rack[rank]] +
+                     [n for n in order if rack[ranks_by_node[n][0]] == rack[rank]])
+        holders: List[int] = []
+        for other_node in order[: self.k]:
+            other = ranks_by_node[other_node]
+            holders.append(other[local % len(other)])
+        if len(holders) < self.k:  # fewer other nodes than k: fill from the own node, loudly
+            same = [r for r in ranks_by_node[node] if r != rank]
+            start = local % max(len(same), 1)
+            for r in same[start:] + same[:start]:
+                if len(holders) == self.k:
+                    break
+                if r not in holders:
+                    holders.append(r)
+        return holders
+
+    def _balance_bytes(self, sizes: List[int]) -> None:
+        """Largest rank first; each copy goes to the least-loaded rank of the best
+        failure domain left (another node, another rack), ties broken by rank,
+        so the result is deterministic."""
+        load = [0] * self.world_size
+        for rank in sorted(range(self.world_size), key=lambda r: (-sizes[r], r)):
+            if rank in self._group_of:
+                self._holders[rank] = []
+                continue
+            holders: List[int] = []
+            rack = self.rack_of_rank or [None] * self.world_size
+            for _ in range(self.k):
+                used_nodes = {self.node_of_rank[h] for h in holders} | {self.node_of_rank[rank]}
+                used_racks = {rack[h] for h in holders}
+
+                def preference(h: int):
+                    # Outside the source's node, then outside its rack, then apart from
+                    # the other copies' racks; then the least bytes; then the lowest rank.
+                    return (self.node_of_rank[h] in used_nodes, rack[h] is not None and rack[h] == rack[rank],
+                            rack[h] is not None and rack[h] in used_racks, load[h], h)
+
+                candidates = [h for h in range(self.world_size) if h != rank and h not in holders]
+                best = min(candidates, key=preference)
+                holders.append(best)
+                load[best] += sizes[rank]
+            self._holders[rank] = holders
 
     def _node_ring(self, ranks_by_node: "OrderedDict[Hashable, List[int]]") -> List[Hashable]:
         nodes = list(ranks_by_node)
