@@ -83,10 +83,13 @@ py::dict meta_dict(const VersionMeta& meta) {
 
 void bind_replication(py::module_& m) {
   py::class_<ReplicaStore, std::unique_ptr<ReplicaStore, ReleaseGilDeleter>>(m, "ReplicaStore")
-      .def(py::init([](size_t budget_bytes) {
-             return std::unique_ptr<ReplicaStore, ReleaseGilDeleter>(new ReplicaStore(budget_bytes));
+      .def(py::init([](size_t budget_bytes, int device) {
+             std::unique_ptr<ReplicaStore> store;
+             raise_if_error(ReplicaStore::create(budget_bytes, device, &store));
+             return std::unique_ptr<ReplicaStore, ReleaseGilDeleter>(store.release());
            }),
-           py::kw_only(), py::arg("budget_bytes") = 0)
+           py::kw_only(), py::arg("budget_bytes") = 0, py::arg("device") = -1)
+      .def_property_readonly("device", &ReplicaStore::device)
       .def("reserve", [](ReplicaStore& r, int source_rank, size_t bytes_per_version) {
         raise_if_error(r.reserve(source_rank, bytes_per_version));
       })
@@ -103,7 +106,12 @@ void bind_replication(py::module_& m) {
         std::shared_ptr<const ReplicaVersion> v;
         raise_if_error(r.get(source_rank, -1, &v));
         // A copy: the committed replica may be replaced while Python holds the result.
-        return py::bytes(reinterpret_cast<const char*>(v->region.data()), v->meta.layout->region_bytes);
+        const size_t n = v->meta.layout->region_bytes;
+        if (v->region.device() == kHostDevice) return py::bytes(reinterpret_cast<const char*>(v->region.data()), n);
+        std::string host(n, '\0');
+        DeviceCopy copy{host.data(), v->region.data(), n};
+        call_without_gil([&] { return r.engine()->to_host(v->region.device(), &copy, 1); });
+        return py::bytes(host);
       });
 
   py::class_<TcpServer, std::unique_ptr<TcpServer, ReleaseGilDeleter>>(m, "TcpServer")

@@ -4,9 +4,11 @@
 // with kUnavailable; a CUDA build links csrc/cuda/cuda_device_copy.cu. The
 // core never includes a CUDA header, so the CPU build sees no CUDA code.
 //
-// Threading: begin_to_host() and to_device() are called from one thread at a
-// time (the store serialises them); wait_to_host() may be called from any
-// worker thread, concurrently, for different tickets.
+// Threading: begin_to_host() is called from one thread at a time (the store
+// serialises it); wait_to_host() may be called from any worker thread,
+// concurrently, for different tickets; to_device(), to_host() and the
+// allocation calls are safe from any thread (copies on one device share its
+// stream, so concurrent callers are served in turn).
 //
 // Memory: the engine owns its streams and events. Host memory passed to it
 // belongs to the caller; pin() must precede any transfer into or out of it
@@ -53,6 +55,12 @@ class DeviceCopyEngine {
 
   // Copies host-to-device and blocks until the bytes are on the device.
   virtual Status to_device(int device_index, const DeviceCopy* copies, size_t count) = 0;
+  // Copies device-to-host and blocks until the bytes are in host memory.
+  virtual Status to_host(int device_index, const DeviceCopy* copies, size_t count) = 0;
+
+  // Device memory owned by the caller until free_device() (cudaMalloc/cudaFree).
+  virtual Status allocate_device(int device_index, size_t nbytes, void** out) = 0;
+  virtual void free_device(int device_index, void* ptr) = 0;
 
   // Creates the engine of this build; kUnavailable when the build has no CUDA
   // or the machine has no usable GPU, with a message that says which.

@@ -2,8 +2,40 @@
 
 namespace peerstate {
 
-ReplicaStore::ReplicaStore(size_t budget_bytes)
-    : budget_(budget_bytes != 0 ? budget_bytes : physical_memory_bytes() / 2) {}
+Status ReplicaMemory::allocate(size_t nbytes) {
+  if (device_ == kHostDevice) return host_.allocate(nbytes);
+  void* ptr = nullptr;
+  PEERSTATE_RETURN_IF_ERROR(engine_->allocate_device(device_, nbytes, &ptr));
+  release();
+  device_data_ = static_cast<unsigned char*>(ptr);
+  device_size_ = nbytes;
+  return Status::Ok();
+}
+
+void ReplicaMemory::release() {
+  if (device_data_ != nullptr) engine_->free_device(device_, device_data_);
+  device_data_ = nullptr;
+  device_size_ = 0;
+  host_.release();
+}
+
+ReplicaStore::ReplicaStore(size_t budget_bytes, int device, std::shared_ptr<DeviceCopyEngine> engine)
+    : budget_(budget_bytes != 0 ? budget_bytes : physical_memory_bytes() / 2), device_(device), engine_(std::move(engine)) {}
+
+Status ReplicaStore::create(size_t budget_bytes, int device, std::unique_ptr<ReplicaStore>* out) {
+  std::shared_ptr<DeviceCopyEngine> engine;
+  if (device != kHostDevice) {
+    if (device < 0) return Status(StatusCode::kInvalidArgument, "device must be -1 (host) or a CUDA device index");
+    if (budget_bytes == 0)
+      return Status(StatusCode::kInvalidArgument, "a device replica store needs an explicit budget_bytes");
+    std::unique_ptr<DeviceCopyEngine> created;
+    Status st = DeviceCopyEngine::create(&created);
+    if (!st.ok()) return Status(st.code(), "cannot hold replicas on cuda:" + std::to_string(device) + ": " + st.message());
+    engine = std::move(created);
+  }
+  out->reset(new ReplicaStore(budget_bytes, device, std::move(engine)));
+  return Status::Ok();
+}
 
 Status ReplicaStore::reserve(int source_rank, size_t bytes_per_version) {
   {
@@ -19,8 +51,8 @@ Status ReplicaStore::reserve(int source_rank, size_t bytes_per_version) {
                         " bytes; raise the replica budget or spread the buddies over more ranks");
   }
   // Two regions: the committed version's and the incoming one's.
-  auto first = std::make_shared<ReplicaVersion>();
-  auto second = std::make_shared<ReplicaVersion>();
+  auto first = new_version();
+  auto second = new_version();
   PEERSTATE_RETURN_IF_ERROR(first->region.allocate(bytes_per_version));
   PEERSTATE_RETURN_IF_ERROR(second->region.allocate(bytes_per_version));
   std::lock_guard<std::mutex> lock(mutex_);
@@ -57,7 +89,7 @@ Status ReplicaStore::begin(const VersionMeta& meta) {
     if (!source.spare && source.incoming && source.incoming.use_count() == 1) source.spare = std::move(source.incoming);
     source.incoming.reset();  // a partial version is dropped here, never committed
   }
-  if (!incoming) incoming = std::make_shared<ReplicaVersion>();
+  if (!incoming) incoming = new_version();
   // Allocation (and faulting in) of a large region takes a while: not under the lock.
   if (incoming->region.size() < meta.layout->region_bytes || incoming->region.data() == nullptr)
     PEERSTATE_RETURN_IF_ERROR(incoming->region.allocate(meta.layout->region_bytes));

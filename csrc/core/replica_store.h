@@ -8,7 +8,9 @@
 //
 // Memory is bounded: reserve() accounts two versions of each source against
 // the budget when replication is set up, and a version larger than its
-// reservation is refused on arrival. Versions are held in host memory.
+// reservation is refused on arrival. Versions are held in host memory, or in
+// the memory of one CUDA device (create() with a device index, GPU nodes): the
+// tcp server then stages each chunk through pinned host memory.
 //
 // Thread-safe: the tcp server's connection threads write chunks of one
 // incoming version concurrently, and readers hold committed versions by
@@ -23,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device_copy.h"
 #include "core/host_memory.h"
 #include "core/socket.h"
 #include "core/status.h"
@@ -30,9 +33,32 @@
 
 namespace peerstate {
 
+// A replica's bytes: host memory, or device memory through a DeviceCopyEngine.
+class ReplicaMemory {
+ public:
+  ReplicaMemory(std::shared_ptr<DeviceCopyEngine> engine, int device) : engine_(std::move(engine)), device_(device) {}
+  ~ReplicaMemory() { release(); }
+  ReplicaMemory(const ReplicaMemory&) = delete;
+  ReplicaMemory& operator=(const ReplicaMemory&) = delete;
+
+  Status allocate(size_t nbytes);
+  void release();
+  unsigned char* data() const { return device_ == kHostDevice ? host_.data() : device_data_; }
+  size_t size() const { return device_ == kHostDevice ? host_.size() : device_size_; }
+  int device() const { return device_; }
+
+ private:
+  std::shared_ptr<DeviceCopyEngine> engine_;  // null for host memory
+  int device_;
+  HostRegion host_;
+  unsigned char* device_data_ = nullptr;
+  size_t device_size_ = 0;
+};
+
 struct ReplicaVersion {
+  ReplicaVersion(std::shared_ptr<DeviceCopyEngine> engine, int device) : region(std::move(engine), device) {}
   VersionMeta meta;
-  HostRegion region;
+  ReplicaMemory region;
   std::vector<uint8_t> arrived;  // per chunk: 0 missing, 1 verified
   size_t arrived_count = 0;
   std::string failure;           // first chunk that failed verification
@@ -40,7 +66,11 @@ struct ReplicaVersion {
 
 class ReplicaStore {
  public:
-  explicit ReplicaStore(size_t budget_bytes);
+  // device kHostDevice: replicas in host memory (budget_bytes 0: half of
+  // physical memory). Else a CUDA device index, with an explicit budget
+  // (kUnavailable without CUDA or a GPU).
+  static Status create(size_t budget_bytes, int device, std::unique_ptr<ReplicaStore>* out);
+  explicit ReplicaStore(size_t budget_bytes) : ReplicaStore(budget_bytes, kHostDevice, nullptr) {}
 
   // Accounts 2 x bytes_per_version for `source_rank` (replacing an earlier
   // reservation for it) and allocates both regions now, so that the first
@@ -71,8 +101,16 @@ class ReplicaStore {
   size_t held_bytes() const;
   size_t reserved_bytes() const;
   size_t budget_bytes() const { return budget_; }
+  int device() const { return device_; }
+  // The engine of a device replica store (null for host memory).
+  DeviceCopyEngine* engine() const { return engine_.get(); }
 
  private:
+  ReplicaStore(size_t budget_bytes, int device, std::shared_ptr<DeviceCopyEngine> engine);
+  std::shared_ptr<ReplicaVersion> new_version() const {
+    return std::make_shared<ReplicaVersion>(engine_, device_);
+  }
+
   struct Source {
     size_t reserved_per_version = 0;
     std::shared_ptr<ReplicaVersion> committed;
@@ -81,6 +119,8 @@ class ReplicaStore {
   };
 
   const size_t budget_;
+  const int device_;
+  const std::shared_ptr<DeviceCopyEngine> engine_;
   mutable std::mutex mutex_;
   std::condition_variable arrived_;
   std::map<int, Source> sources_;

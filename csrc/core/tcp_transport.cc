@@ -15,6 +15,7 @@ void log_line(const std::string& line) { std::fprintf(stderr, "[peerstate] %s\n"
 struct ServedVersion {
   VersionMeta meta;
   const unsigned char* data = nullptr;
+  int device = kHostDevice;  // where `data` is
   std::shared_ptr<const void> keep_alive;
 };
 
@@ -54,7 +55,16 @@ struct TcpServer::Connection {
   std::atomic<bool> done{false};
   int32_t peer_rank = -1;
   std::string name;
+  HostRegion staging;  // pinned; only for a device replica store
 };
+
+Status TcpServer::ensure_staging(Connection& c, size_t nbytes) {
+  if (c.staging.size() >= nbytes) return Status::Ok();
+  DeviceCopyEngine* engine = replicas_->engine();
+  if (c.staging.data() != nullptr) PEERSTATE_RETURN_IF_ERROR(engine->unpin(c.staging.data()));
+  PEERSTATE_RETURN_IF_ERROR(c.staging.allocate(nbytes));
+  return engine->pin(c.staging.data(), c.staging.size());
+}
 
 TcpServer::TcpServer(const TcpOptions& options, ReplicaStore* replicas, SnapshotStore* own)
     : options_(options), replicas_(replicas), own_(own) {}
@@ -168,6 +178,7 @@ void TcpServer::serve(Connection* c) {
     }
   }
   c->socket.close();
+  if (c->staging.data() != nullptr) (void)replicas_->engine()->unpin(c->staging.data());
   c->done = true;
 }
 
@@ -197,8 +208,18 @@ Status TcpServer::handle(Connection& c, const FrameHeader& h) {
       // Any mismatch here closes the connection: the payload that follows
       // cannot be skipped safely when its announced length is a lie.
       PEERSTATE_RETURN_IF_ERROR(replicas_->expect_chunk(h.source_rank, h.version, h.chunk, h.length, &incoming));
+      const Layout& layout = *incoming->meta.layout;
+      const ChunkPlacement& chunk = layout.chunks[h.chunk];
+      unsigned char* place = incoming->region.data() + chunk.offset;
       uint32_t crc = 0;
-      PEERSTATE_RETURN_IF_ERROR(recv_chunk(c.socket, *incoming->meta.layout, h.chunk, incoming->region.data(), deadline, &crc));
+      if (replicas_->device() == kHostDevice) {
+        PEERSTATE_RETURN_IF_ERROR(recv_chunk(c.socket, layout, h.chunk, place, deadline, &crc));
+      } else {  // device replica: land in pinned staging, verify there, then copy up
+        PEERSTATE_RETURN_IF_ERROR(ensure_staging(c, chunk.nbytes));
+        PEERSTATE_RETURN_IF_ERROR(recv_chunk(c.socket, layout, h.chunk, c.staging.data(), deadline, &crc));
+        DeviceCopy copy{c.staging.data(), place, chunk.nbytes};
+        PEERSTATE_RETURN_IF_ERROR(replicas_->engine()->to_device(replicas_->device(), &copy, 1));
+      }
       Status st = replicas_->chunk_arrived(incoming, h.chunk, crc);
       if (!st.ok()) log_line("rank " + std::to_string(c.peer_rank) + ": " + st.message());
       return Status::Ok();  // a corrupt chunk fails the version at commit; the stream is intact
@@ -242,6 +263,7 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
     if (st.ok()) {
       served.meta = replica->meta;
       served.data = replica->region.data();
+      served.device = replica->region.device();
       served.keep_alive = replica;
     }
   }
@@ -257,10 +279,18 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
     return send_error(c.socket, Status(StatusCode::kInvalidArgument, "chunk " + std::to_string(h.chunk) + " out of range"),
                       deadline);
   const ChunkPlacement& chunk = layout.chunks[h.chunk];
+  const unsigned char* payload = served.data + chunk.offset;
+  if (served.device != kHostDevice) {  // device replica: down through pinned staging
+    Status staged = ensure_staging(c, chunk.nbytes);
+    DeviceCopy copy{c.staging.data(), const_cast<unsigned char*>(payload), chunk.nbytes};
+    if (staged.ok()) staged = replicas_->engine()->to_host(served.device, &copy, 1);
+    if (!staged.ok()) return send_error(c.socket, staged, deadline);
+    payload = c.staging.data();
+  }
   return send_frame(c.socket,
                     header(FrameType::kChunk, h.source_rank, served.meta.version, h.chunk, chunk.nbytes,
                            served.meta.checksums[h.chunk]),
-                    served.data + chunk.offset, deadline);
+                    payload, deadline);
 }
 
 // ---------------------------------------------------------------- client ----
@@ -465,7 +495,7 @@ Status TcpTransport::receive(int peer, const TransferPlan& plan) {
         st = Status(StatusCode::kProtocolError, "rank " + std::to_string(peer) + " answered chunk " +
                                                     std::to_string(c) + " with a mismatched frame");
       uint32_t crc = 0;
-      if (st.ok()) st = recv_chunk(l.socket, layout, c, plan.region, d, &crc);
+      if (st.ok()) st = recv_chunk(l.socket, layout, c, plan.region + chunk.offset, d, &crc);
       if (st.ok() && crc != meta.checksums[c])
         st = Status(StatusCode::kChecksumMismatch, "chunk " + std::to_string(c) + " from rank " +
                                                        std::to_string(peer) + " failed its CRC32C");

@@ -65,6 +65,7 @@ class TcpServer {
   void serve(Connection* connection);
   Status handle(Connection& c, const FrameHeader& h);
   Status serve_get(Connection& c, const FrameHeader& h);
+  Status ensure_staging(Connection& c, size_t nbytes);
   void reap(bool all);
 
   const TcpOptions options_;

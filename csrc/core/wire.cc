@@ -185,7 +185,8 @@ Status decode_meta(const std::string& bytes, VersionMeta* out) {
   return Status::Ok();
 }
 
-Status recv_chunk(Socket& s, const Layout& layout, size_t c, unsigned char* region, Deadline deadline, uint32_t* crc) {
+Status recv_chunk(Socket& s, const Layout& layout, size_t c, unsigned char* chunk_dst, Deadline deadline,
+                  uint32_t* crc) {
   const ChunkPlacement& chunk = layout.chunks[c];
   const Segment* seg = layout.segments.data() + chunk.first_segment;
   const Segment* const end = seg + chunk.segment_count;
@@ -195,12 +196,12 @@ Status recv_chunk(Socket& s, const Layout& layout, size_t c, unsigned char* regi
   const size_t stop = chunk.offset + chunk.nbytes;
   while (at < stop) {
     size_t got = 0;
-    PEERSTATE_RETURN_IF_ERROR(s.recv_some(region + at, std::min(kPiece, stop - at), &got, deadline));
+    PEERSTATE_RETURN_IF_ERROR(s.recv_some(chunk_dst + (at - chunk.offset), std::min(kPiece, stop - at), &got, deadline));
     // Checksum the parts of segments inside [at, at + got); padding between segments is skipped.
     for (; seg != end && seg->region_offset < at + got; ) {
       const size_t lo = std::max(seg->region_offset, at);
       const size_t hi = std::min(seg->region_offset + seg->nbytes, at + got);
-      if (lo < hi) sum = crc32c_extend(sum, region + lo, hi - lo);
+      if (lo < hi) sum = crc32c_extend(sum, chunk_dst + (lo - chunk.offset), hi - lo);
       if (seg->region_offset + seg->nbytes <= at + got)
         ++seg;
       else

@@ -86,10 +86,12 @@ VersionMeta meta_of(int32_t source_rank, const VersionView& view);
 Status finish_meta(VersionMeta* meta);
 std::string encode_meta(const VersionMeta& meta);
 Status decode_meta(const std::string& bytes, VersionMeta* out);
-// Receives chunk `c` (its nbytes) straight into its place in `region`,
-// checksumming each piece as it lands, while it is still in cache: the CRC
-// costs no second pass over memory. *crc gets the chunk's CRC32C.
-Status recv_chunk(Socket& s, const Layout& layout, size_t c, unsigned char* region, Deadline deadline, uint32_t* crc);
+// Receives chunk `c` (its nbytes) straight into `chunk_dst` (its place in a
+// region, or a staging buffer), checksumming each piece as it lands, while it
+// is still in cache: the CRC costs no second pass over memory. *crc gets the
+// chunk's CRC32C.
+Status recv_chunk(Socket& s, const Layout& layout, size_t c, unsigned char* chunk_dst, Deadline deadline,
+                  uint32_t* crc);
 
 Status handshake_client(Socket& s, const std::string& secret, int32_t rank, Deadline deadline);
 Status handshake_server(Socket& s, const std::string& secret, int32_t* client_rank, Deadline deadline);

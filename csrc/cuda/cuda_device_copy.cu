@@ -88,13 +88,24 @@ class CudaDeviceCopyEngine final : public DeviceCopyEngine {
   }
 
   Status to_device(int device_index, const DeviceCopy* copies, size_t count) override {
-    cudaStream_t stream;
-    PEERSTATE_RETURN_IF_ERROR(stream_for(device_index, &stream));
-    for (size_t i = 0; i < count; i++)
-      PEERSTATE_CUDA_CHECK(cudaMemcpyAsync(copies[i].device, copies[i].host, copies[i].nbytes,
-                                           cudaMemcpyHostToDevice, stream));
-    PEERSTATE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return copy_and_wait(device_index, copies, count, cudaMemcpyHostToDevice);
+  }
+
+  Status to_host(int device_index, const DeviceCopy* copies, size_t count) override {
+    return copy_and_wait(device_index, copies, count, cudaMemcpyDeviceToHost);
+  }
+
+  Status allocate_device(int device_index, size_t nbytes, void** out) override {
+    PEERSTATE_CUDA_CHECK(cudaSetDevice(device_index));
+    Status st = cuda_status(cudaMalloc(out, nbytes), "cudaMalloc");
+    if (!st.ok())
+      return Status(StatusCode::kOutOfMemory, "cannot allocate " + std::to_string(nbytes) + " bytes on cuda:" +
+                                                  std::to_string(device_index) + ": " + st.message());
     return Status::Ok();
+  }
+
+  void free_device(int device_index, void* ptr) override {
+    if (cudaSetDevice(device_index) == cudaSuccess) cudaFree(ptr);
   }
 
  private:
@@ -108,6 +119,18 @@ class CudaDeviceCopyEngine final : public DeviceCopyEngine {
       it = streams_.emplace(device_index, s).first;
     }
     *out = it->second;
+    return Status::Ok();
+  }
+
+  Status copy_and_wait(int device_index, const DeviceCopy* copies, size_t count, cudaMemcpyKind kind) {
+    cudaStream_t stream;
+    PEERSTATE_RETURN_IF_ERROR(stream_for(device_index, &stream));
+    for (size_t i = 0; i < count; i++) {
+      void* to = kind == cudaMemcpyHostToDevice ? copies[i].device : copies[i].host;
+      const void* from = kind == cudaMemcpyHostToDevice ? copies[i].host : copies[i].device;
+      PEERSTATE_CUDA_CHECK(cudaMemcpyAsync(to, from, copies[i].nbytes, kind, stream));
+    }
+    PEERSTATE_CUDA_CHECK(cudaStreamSynchronize(stream));
     return Status::Ok();
   }
 

@@ -88,7 +88,10 @@ class ReplicaStore:
     """The buddies' snapshots held here: per source rank, the committed version and at
     most one incoming one (see csrc/core/replica_store.h). Thread-safe."""
 
-    def __init__(self, *, budget_bytes: int = 0) -> None: ...
+    def __init__(self, *, budget_bytes: int = 0, device: int = -1) -> None:
+        """device -1: host memory; a CUDA index: device memory (explicit budget needed)."""
+    @property
+    def device(self) -> int: ...
     def reserve(self, source_rank: int, bytes_per_version: int) -> None:
         """Account 2 versions of `source_rank`; BudgetExceededError if over budget."""
     def committed(self) -> List[Tuple[int, int]]: ...

@@ -39,6 +39,8 @@ class Replication:
         port: 0 picks a free port.
         connections_per_peer: parallel TCP connections to each peer.
         replica_budget_bytes: bound on the replicas held here (default: half of RAM).
+        replica_device: hold the replicas in the memory of this CUDA device instead of
+            host memory (GPU nodes; give replica_budget_bytes too).
         io_timeout: seconds a transfer step may take before it fails.
     """
 
@@ -53,6 +55,7 @@ class Replication:
         port: int = 0,
         connections_per_peer: int = 4,
         replica_budget_bytes: Optional[int] = None,
+        replica_device: Optional[int] = None,
         io_timeout: float = 30.0,
     ) -> None:
         if not store.native.checksums:
@@ -62,7 +65,8 @@ class Replication:
         self.placement = placement
         self.host = host
         io_ms = int(io_timeout * 1000)
-        self.replicas = _C.ReplicaStore(budget_bytes=replica_budget_bytes or 0)
+        self.replicas = _C.ReplicaStore(budget_bytes=replica_budget_bytes or 0,
+                                        device=-1 if replica_device is None else replica_device)
         self.server = _C.TcpServer(self.replicas, store.native, secret=secret, rank=rank, host=host, port=port,
                                    io_timeout_ms=io_ms)
         self.transport = _C.TcpTransport(secret=secret, rank=rank, connections_per_peer=connections_per_peer,
