@@ -78,7 +78,7 @@ def test_source_killed_mid_push_partial_version_never_visible():
 @pytest.mark.parametrize("k", [1, 2])
 def test_source_killed_mid_pull(k):
     nodes = ["a", "b", "c"]
-    with Cluster(nodes, k=k, large_bytes=64 << 20, small_count=10, chunk_bytes=1 << 20) as cluster:
+    with Cluster(nodes, k=k, large_bytes=128 << 20, small_count=10, chunk_bytes=1 << 20) as cluster:
         digest = cluster.peers[0].call("step", version=1)["digest"]
         cluster.peers[0].call("wait", version=1)
         holders = cluster.holders(0)
