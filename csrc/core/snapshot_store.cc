@@ -184,8 +184,8 @@ Status SnapshotStore::prepare_region(Slot& slot, const Layout& layout) {
   return Status::Ok();
 }
 
-Status SnapshotStore::reserve_slot(int64_t version, size_t* slot) {
-  std::lock_guard<std::mutex> lock(mutex_);
+Status SnapshotStore::reserve_slot(int64_t version, std::shared_ptr<const Layout> layout, size_t* slot) {
+  std::unique_lock<std::mutex> lock(mutex_);
   int64_t newest = -1;
   for (const auto& s : slots_)
     if (s->state == Slot::State::kCommitted) newest = std::max(newest, s->version);
@@ -202,7 +202,19 @@ Status SnapshotStore::reserve_slot(int64_t version, size_t* slot) {
     }
     if (target == slots_.size() || s.version < slots_[target]->version) target = i;
   }
-  slots_[target]->state = Slot::State::kInFlight;
+  Slot& chosen = *slots_[target];
+  chosen.state = Slot::State::kInFlight;
+  lock.unlock();
+  // Allocating can take a while (a new or grown region): not under the lock.
+  Status st = prepare_region(chosen, *layout);
+  if (!st.ok()) {
+    std::lock_guard<std::mutex> relock(mutex_);
+    chosen.state = Slot::State::kEmpty;
+    return st;
+  }
+  chosen.version = version;
+  chosen.layout = std::move(layout);
+  chosen.checksums.clear();
   *slot = target;
   return Status::Ok();
 }
@@ -217,20 +229,15 @@ Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream) {
     return Status(StatusCode::kInvalidArgument,
                   "version must be a step number >= 0 (got " + std::to_string(version) + ")");
 
+  const std::shared_ptr<const Layout> layout = layout_;
   size_t target = 0;
-  PEERSTATE_RETURN_IF_ERROR(reserve_slot(version, &target));
+  PEERSTATE_RETURN_IF_ERROR(reserve_slot(version, layout, &target));
   Slot& slot = *slots_[target];
   auto fail = [&](Status st) {
     std::lock_guard<std::mutex> lock(mutex_);
     slot.state = Slot::State::kEmpty;
     return st;
   };
-
-  const std::shared_ptr<const Layout> layout = layout_;
-  Status st = prepare_region(slot, *layout);
-  if (!st.ok()) return fail(st);
-  slot.version = version;
-  slot.layout = layout;
   slot.checksums.assign(options_.checksums ? layout->chunks.size() : 0, 0);
 
   auto job = std::make_shared<InFlight>();
@@ -242,7 +249,7 @@ Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream) {
   if (layout->has_device_buffers) {
     // Device chunks are queued on the copy stream now; the pool's workers only
     // wait for each chunk's event and checksum the landed bytes.
-    st = device_->reserve_tickets(layout->chunks.size());
+    Status st = device_->reserve_tickets(layout->chunks.size());
     std::set<int> ordered;
     std::vector<DeviceCopy> copies;
     for (size_t c = 0; st.ok() && c < layout->chunks.size(); c++) {
@@ -275,19 +282,12 @@ Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream) {
   // of each buffer): each thread then streams through memory like one big
   // memcpy, measured ~10% faster than handing out 4 MiB chunks one by one.
   // Device chunks stay one per item, so each is checksummed as soon as it lands.
-  std::vector<size_t> host_chunks;
-  for (size_t c = 0; c < layout->chunks.size(); c++) {
-    if (layout->chunks[c].device == kHostDevice)
-      host_chunks.push_back(c);
-    else
-      job->work.emplace_back(c, c + 1);
-  }
-  const size_t runs = std::min(host_chunks.size(), 2 * pool_->size());
-  for (size_t r = 0; r < runs; r++) {
-    const size_t first = host_chunks[r * host_chunks.size() / runs];
-    const size_t last = host_chunks[(r + 1) * host_chunks.size() / runs - 1];
-    job->work.emplace_back(first, last + 1);  // host chunks are consecutive: they precede device ones
-  }
+  // The layout puts host chunks first, so they are chunks [0, host).
+  size_t host = 0;
+  while (host < layout->chunks.size() && layout->chunks[host].device == kHostDevice) host++;
+  const size_t runs = std::min(host, 2 * pool_->size());
+  for (size_t r = 0; r < runs; r++) job->work.emplace_back(r * host / runs, (r + 1) * host / runs);
+  for (size_t c = host; c < layout->chunks.size(); c++) job->work.emplace_back(c, c + 1);
   InFlight* raw = job.get();
   job->job = pool_->submit(
       job->work.size(),
@@ -562,18 +562,8 @@ Status SnapshotStore::begin_receive(int64_t version, std::shared_ptr<const Layou
     return Status(StatusCode::kBudgetExceeded, "the incoming version needs " + std::to_string(layout->region_bytes) +
                                                    " bytes per version, over this store's budget");
   size_t target = 0;
-  PEERSTATE_RETURN_IF_ERROR(reserve_slot(version, &target));
-  Slot& slot = *slots_[target];
-  Status st = prepare_region(slot, *layout);
-  if (!st.ok()) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    slot.state = Slot::State::kEmpty;
-    return st;
-  }
-  slot.version = version;
-  slot.layout = std::move(layout);
-  slot.checksums.clear();
-  *region = slot.region.data();
+  PEERSTATE_RETURN_IF_ERROR(reserve_slot(version, std::move(layout), &target));
+  *region = slots_[target]->region.data();
   return Status::Ok();
 }
 

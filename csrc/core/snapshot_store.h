@@ -135,7 +135,9 @@ class SnapshotStore {
   void set_registration(std::vector<BufferRegistration> buffers, std::shared_ptr<const Layout> layout);
   Status ensure_device_engine();
   Status prepare_region(Slot& slot, const Layout& layout);
-  Status reserve_slot(int64_t version, size_t* slot);
+  // Picks the slot for `version` (never the newest committed one), marks it in
+  // flight and readies its region for `layout`; on error the slot stays free.
+  Status reserve_slot(int64_t version, std::shared_ptr<const Layout> layout, size_t* slot);
   void copy_chunk_to_region(InFlight& job, size_t chunk);
   Status verify(const Slot& slot);
   Status copy_region_to_buffers(const Slot& slot);
