@@ -9,6 +9,7 @@ from peerstate import _C
 from peerstate.errors import *  # noqa: F401,F403
 from peerstate.errors import __all__ as _error_names
 from peerstate.placement import BuddyPlacement, PlacementWarning
+from peerstate.job import Job
 from peerstate.replication import Replication
 from peerstate.snapshot import SnapshotHandle, SnapshotStore
 from peerstate.state_dict import register_training_state
@@ -28,6 +29,7 @@ def cuda_available() -> bool:
 
 __all__ = [
     "BuddyPlacement",
+    "Job",
     "PlacementWarning",
     "Replication",
     "SnapshotHandle",

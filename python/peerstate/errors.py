@@ -23,8 +23,20 @@ from peerstate._C import (  # noqa: F401  (re-exported)
     UnavailableError,
 )
 
+
+
+class JobFailedError(Error):
+    """The job cannot go on (no spare left, a bad configuration); the message says why."""
+
+
+class StateLostError(JobFailedError):
+    """A failure took every copy of some rank's state; the message names the ranks."""
+
+
 __all__ = [
     "AbortedError",
+    "JobFailedError",
+    "StateLostError",
     "AuthenticationError",
     "BudgetExceededError",
     "BusyError",

@@ -69,8 +69,10 @@ class Replication:
                                         device=-1 if replica_device is None else replica_device)
         self.server = _C.TcpServer(self.replicas, store.native, secret=secret, rank=rank, host=host, port=port,
                                    io_timeout_ms=io_ms)
-        self.transport = _C.TcpTransport(secret=secret, rank=rank, connections_per_peer=connections_per_peer,
-                                         connect_timeout_ms=min(io_ms, 5000), io_timeout_ms=io_ms)
+        self._transport_options = dict(secret=secret, rank=rank, connections_per_peer=connections_per_peer,
+                                       connect_timeout_ms=min(io_ms, 5000), io_timeout_ms=io_ms)
+        self._addresses: Dict[int, Address] = {}
+        self.transport = _C.TcpTransport(**self._transport_options)
         self.replicator = _C.Replicator(store.native, self.transport, rank)
         store.add_pre_snapshot_hook(self._wait_in_flight)
 
@@ -83,7 +85,23 @@ class Replication:
         """Tell the transport where every peer listens (connections open on first use)."""
         for peer, (host, port) in addresses.items():
             if peer != self.rank:
+                self._addresses[peer] = (host, port)
                 self.transport.add_peer(peer, host, port)
+
+    def abort_transfers(self) -> None:
+        """Fail every transfer in flight now (thread-safe; a recovery's first act).
+        The transport stays unusable until reset()."""
+        self.transport.abort()
+
+    def reset(self) -> None:
+        """After abort_transfers(): end the round in flight and start over with a fresh
+        transport (same peers; connect() replaces the addresses that changed). The
+        server and the replicas it holds are kept."""
+        self.transport.abort()
+        self._wait_in_flight()
+        self.transport = _C.TcpTransport(**self._transport_options)
+        self.replicator = _C.Replicator(self.store.native, self.transport, self.rank)
+        self.connect(self._addresses)
 
     def reserve(self, bytes_per_version: Dict[int, int]) -> None:
         """Account the replicas this rank will hold (rank -> bytes of one version) against

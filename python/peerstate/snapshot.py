@@ -127,6 +127,19 @@ class SnapshotStore:
         """Names of the registered buffers and objects."""
         return [n for n in self._buffers if n != OBJECTS_BUFFER] + list(self._objects)
 
+    def owners(self) -> Dict[str, Any]:
+        """name -> the registered tensor/array itself (not the objects buffer)."""
+        return {n: b.owner for n, b in self._buffers.items() if n != OBJECTS_BUFFER}
+
+    def capture_objects(self) -> Dict[str, Any]:
+        """name -> ``get()`` of every registered object, now."""
+        return {name: get() for name, (get, _) in self._objects.items()}
+
+    def apply_objects(self, values: Mapping[str, Any]) -> None:
+        """Call each registered object's ``set`` with its value from ``values``."""
+        for name, (_, setter) in self._objects.items():
+            setter(values[name])
+
     def add_pre_snapshot_hook(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` at the start of every :meth:`snapshot` (e.g. to wait for replication)."""
         self._pre_snapshot_hooks.append(hook)
@@ -170,9 +183,7 @@ class SnapshotStore:
                 )
         self._native.restore(version)
         if self._objects:
-            values = self._read_objects(memoryview(self._object_bytes))
-            for name, (_, setter) in self._objects.items():
-                setter(values[name])
+            self.apply_objects(self._read_objects(memoryview(self._object_bytes)))
 
     def committed_versions(self) -> List[int]:
         """Committed versions, oldest first."""
@@ -231,8 +242,7 @@ class SnapshotStore:
         return torch.cuda.current_stream().cuda_stream
 
     def _write_objects(self) -> None:
-        payload = pickle.dumps({name: get() for name, (get, _) in self._objects.items()},
-                               protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(self.capture_objects(), protocol=pickle.HIGHEST_PROTOCOL)
         if len(payload) + _LENGTH_BYTES > self.object_capacity:
             raise InvalidArgumentError(
                 f"the registered objects pickle to {len(payload)} bytes, over object_capacity="

@@ -1,0 +1,5 @@
+import sys
+
+from peerstate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,71 @@
+"""The ``peerstate`` command: ``peerstate run`` (the launcher)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import List, Optional
+
+
+def _run(args: argparse.Namespace) -> int:
+    from peerstate.agent import Agent, AgentConfig
+    from peerstate.errors import Error
+
+    if args.store is None:
+        if args.nnodes > 1:
+            print("peerstate run: --nnodes > 1 needs --store HOST:PORT (node 0 hosts the store there)",
+                  file=sys.stderr)
+            return 2
+        args.store = "127.0.0.1:0"
+    config = AgentConfig(script=[args.script, *args.script_args], nproc_per_node=args.nproc_per_node,
+                         spares=args.spares, nnodes=args.nnodes, node_rank=args.node_rank, store=args.store,
+                         host=args.host, log_dir=args.log_dir, hang_timeout=args.hang_timeout,
+                         lease_timeout=args.lease_timeout, spare_timeout=args.spare_timeout,
+                         join_timeout=args.join_timeout, checkpoint_dir=args.checkpoint_dir,
+                         checkpoint_every=args.checkpoint_every)
+    try:
+        agent = Agent(config)
+    except Error as error:
+        print(f"peerstate run: {error}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds run(): every child is killed
+    return agent.run()
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="peerstate", description="Checkpointless training for PyTorch.")
+    commands = top.add_subparsers(dest="command", required=True)
+    run = commands.add_parser(
+        "run", help="launch a training script with hot spares (torchrun-compatible environment)",
+        description="Start this node's agent: it runs --nproc-per-node workers and --spares hot spares of the "
+                    "script, replaces a failed worker with a spare and recovers the job in place.")
+    run.add_argument("--nproc-per-node", type=int, required=True, help="workers on this node")
+    run.add_argument("--spares", type=int, default=0, help="hot spares kept ready on this node (0..nproc-per-node)")
+    run.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    run.add_argument("--node-rank", type=int, default=0, help="this node's index (node 0 hosts the store)")
+    run.add_argument("--store", default=None, help="HOST:PORT of the job's store (node 0 binds it; port 0 = any)")
+    run.add_argument("--host", default="127.0.0.1", help="address this node's replication servers listen on")
+    run.add_argument("--log-dir", default="peerstate-logs", help="worker logs and events.jsonl")
+    run.add_argument("--hang-timeout", type=float, default=10.0, help="seconds without progress before a "
+                     "worker is declared hung and killed")
+    run.add_argument("--lease-timeout", type=float, default=3.0, help="seconds without a node's heartbeat "
+                     "before it is declared lost")
+    run.add_argument("--spare-timeout", type=float, default=60.0, help="seconds a recovery waits for a spare")
+    run.add_argument("--join-timeout", type=float, default=120.0, help="seconds nodes wait for each other")
+    run.add_argument("--checkpoint-dir", default=None, help="disk checkpoints (torch.distributed.checkpoint), "
+                     "the fallback when every copy of a rank's state is lost")
+    run.add_argument("--checkpoint-every", type=int, default=0, help="steps between disk checkpoints")
+    run.add_argument("script", help="the training script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    run.set_defaults(handler=_run)
+    return top
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

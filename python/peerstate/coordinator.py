@@ -1,0 +1,252 @@
+"""The recovery coordinator: membership, epochs, the spare pool and recovery plans,
+kept in the job's KeyValueStore.
+
+There is no coordinator process. Whoever sees a failure (the node agent that
+reaped a worker, or an agent that saw another node's lease expire) writes the
+next epoch's plan; ``compare_set`` on the epoch's owner key makes exactly one
+writer win, and a loser whose failure the winning plan does not cover tries
+the epoch after. Workers learn of an epoch by waiting on its plan key.
+
+Keys (all under the store given)::
+
+    config                      the job's shape, set by the first agent
+    node/{i}/lease              counter an agent bumps while it lives
+    node/{i}/dead               set once node i is declared lost
+    spares                      "id,id,..." every spare that ever registered
+    spare/{id}                  ready | gone | assigned:{epoch}:{rank}
+    assign/{id}                 the assignment a waiting spare blocks on
+    epoch/{e}/owner, /plan      the plan writer of epoch e, and its RecoveryPlan
+    epoch/{e}/report/{rank}     what a member holds (see recovery_point)
+    job/failed, job/finished    why the job stopped; ranks that finished
+
+A worker is named ``n{node}.{k}``: its node is part of its name, so a plan
+can leave out the spares of a dead node without asking anyone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+from peerstate.errors import JobFailedError
+from peerstate.kvstore import KeyValueStore
+from peerstate.placement import BuddyPlacement
+
+
+def node_of_worker(worker: str) -> int:
+    return int(worker[1:].split(".")[0])
+
+
+@dataclass
+class RecoveryPlan:
+    """Who is which rank in one epoch, and why the epoch began."""
+
+    epoch: int
+    members: Dict[int, str]                  # rank -> worker id
+    replaced: Dict[int, str] = field(default_factory=dict)  # ranks that changed worker this epoch
+    failed: List[int] = field(default_factory=list)
+    reason: str = ""
+    detected_at: float = 0.0
+    planned_at: float = 0.0
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "RecoveryPlan":
+        data = json.loads(raw)
+        data["members"] = {int(r): w for r, w in data["members"].items()}
+        data["replaced"] = {int(r): w for r, w in data["replaced"].items()}
+        return cls(**data)
+
+
+@dataclass
+class MemberReport:
+    """What one member of an epoch holds, published when it joins the epoch."""
+
+    rank: int
+    worker: str
+    local: List[int]                 # versions committed in its own SnapshotStore
+    replicas: Dict[int, int]         # source rank -> version of the replica it holds
+    address: Tuple[str, int]         # its replication server
+    needs_state: bool = False        # new in this epoch, or joined earlier and not restored yet
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "MemberReport":
+        data = json.loads(raw)
+        data["replicas"] = {int(s): v for s, v in data["replicas"].items()}
+        data["address"] = tuple(data["address"])
+        return cls(**data)
+
+
+def recovery_point(reports: Mapping[int, MemberReport],
+                   placement: BuddyPlacement) -> Tuple[Optional[int], Dict[int, str]]:
+    """The newest version every rank can resume from, and why a rank cannot.
+
+    A member that kept its state resumes from its own SnapshotStore; one that
+    needs state (a replacement) from a holder's replica or a replica-group
+    peer's own snapshot. Returns (version, {}), or (None, {rank: reason}) when
+    some rank has no copy left (rank -1: copies exist but of different steps).
+    """
+    candidates: Optional[Set[int]] = None
+    lost: Dict[int, str] = {}
+    for rank in sorted(reports):
+        if reports[rank].needs_state:
+            available: Set[int] = set()
+            for source in placement.sources(rank):
+                held = reports[source]
+                if source in placement.replica_group(rank):
+                    available.update(held.local)
+                elif rank in held.replicas:
+                    available.add(held.replicas[rank])
+            if not available:
+                gone = [s for s in placement.sources(rank) if reports[s].needs_state]
+                lost[rank] = (f"shard of rank {rank} has no surviving copy (its holders {gone} were lost too)"
+                              if gone else f"rank {rank} has no committed copy on any holder yet")
+                continue
+        else:
+            available = set(reports[rank].local)
+        candidates = available if candidates is None else candidates & available
+    if lost:
+        return None, lost
+    if not candidates:
+        return None, {-1: "no version is held for every rank at once (the copies are of different steps)"}
+    return max(candidates), {}
+
+
+def sources_of(rank: int, version: int, reports: Mapping[int, MemberReport],
+               placement: BuddyPlacement) -> List[int]:
+    """The members that hold ``rank``'s ``version`` (where a replacement pulls from)."""
+    group = placement.replica_group(rank)
+    return [s for s in placement.sources(rank)
+            if (s in group and version in reports[s].local) or reports[s].replicas.get(rank) == version]
+
+
+class Coordinator:
+    """The coordinator's operations over the job's store (used by the agents;
+    workers only read plans)."""
+
+    def __init__(self, kv: KeyValueStore, world_size: int) -> None:
+        self.kv = kv
+        self.world_size = world_size
+        self._known_epoch = 0
+
+    # -- epochs ----------------------------------------------------------------------
+    def plan(self, epoch: int) -> Optional[RecoveryPlan]:
+        raw = self.kv.get(f"epoch/{epoch}/plan")
+        return RecoveryPlan.decode(raw) if raw else None
+
+    def latest_plan(self) -> RecoveryPlan:
+        """The newest plan (epoch 0 must exist)."""
+        plan = self.plan(self._known_epoch)
+        if plan is None:
+            raise JobFailedError("the job has no epoch-0 plan: the agents have not started it")
+        while True:
+            newer = self.plan(plan.epoch + 1)
+            if newer is None:
+                self._known_epoch = plan.epoch
+                return plan
+            plan = newer
+
+    def start(self, members: Dict[int, str]) -> RecoveryPlan:
+        """Write the epoch-0 plan (idempotent: every agent may call it)."""
+        plan = RecoveryPlan(0, dict(members), reason="start", planned_at=time.time())
+        self.kv.compare_set("epoch/0/plan", b"", plan.encode())
+        return self.plan(0)
+
+    # -- spares ----------------------------------------------------------------------
+    def register_spare(self, worker: str) -> None:
+        self.kv.set(f"spare/{worker}", b"ready")
+        self.kv.append("spares", f"{worker},".encode())
+
+    def spare_gone(self, worker: str) -> Optional[Tuple[int, int]]:
+        """Take a dead spare out of the pool. Returns (epoch, rank) if it had already
+        been assigned (then its death is that rank's failure)."""
+        now = self.kv.compare_set(f"spare/{worker}", b"ready", b"gone").decode()
+        if now.startswith("assigned:"):
+            _, epoch, rank = now.split(":")
+            return int(epoch), int(rank)
+        return None
+
+    def ready_spares(self) -> List[str]:
+        raw = (self.kv.get("spares") or b"").decode()
+        ids = [w for w in raw.split(",") if w]
+        dead_nodes = self.dead_nodes()
+        ids = [w for w in ids if node_of_worker(w) not in dead_nodes]
+        states = self.kv.get_many([f"spare/{w}" for w in ids])
+        return [w for w, s in zip(ids, states) if s == b"ready"]
+
+    # -- nodes -----------------------------------------------------------------------
+    def mark_node_dead(self, node: int) -> None:
+        self.kv.set(f"node/{node}/dead", b"1")
+
+    def dead_nodes(self) -> Set[int]:
+        nodes = int(json.loads(self.kv.get("config") or b"{}").get("nnodes", 0))
+        flags = self.kv.get_many([f"node/{n}/dead" for n in range(nodes)])
+        return {n for n, flag in zip(range(nodes), flags) if flag}
+
+    # -- failures --------------------------------------------------------------------
+    def report_failure(self, workers: Iterable[str], reason: str, *, detected_at: float,
+                       me: str, spare_timeout: float = 30.0) -> Optional[RecoveryPlan]:
+        """Replace the ranks the dead ``workers`` hold. Returns the plan that does so
+        (this caller's or a concurrent one's), or None if none of them is a member.
+
+        Raises JobFailedError when no spare becomes ready within ``spare_timeout``.
+        """
+        dead = set(workers)
+        while True:
+            current = self.latest_plan()
+            failed = sorted(r for r, w in current.members.items() if w in dead)
+            if not failed:
+                return None  # already replaced by an earlier plan
+            epoch = current.epoch + 1
+            owner = self.kv.compare_set(f"epoch/{epoch}/owner", b"", me.encode())
+            if owner != me.encode():
+                self.kv.wait([f"epoch/{epoch}/plan"], timeout=spare_timeout + 30)
+                continue  # re-read: the winner's plan may or may not cover our failure
+            replaced = self._assign_spares(epoch, failed, current, spare_timeout)
+            members = dict(current.members)
+            members.update(replaced)
+            plan = RecoveryPlan(epoch, members, replaced, failed, reason, detected_at, time.time())
+            self.kv.set(f"epoch/{epoch}/plan", plan.encode())
+            for rank, worker in replaced.items():
+                self.kv.set(f"assign/{worker}", json.dumps({"epoch": epoch, "rank": rank}).encode())
+            return plan
+
+    def _assign_spares(self, epoch: int, failed: Sequence[int], current: RecoveryPlan,
+                       timeout: float) -> Dict[int, str]:
+        """Claim one ready spare per failed rank, preferring the failed worker's own node
+        (its buddies were chosen to be elsewhere). Waits for the pool to refill."""
+        deadline = time.monotonic() + timeout
+        replaced: Dict[int, str] = {}
+        for rank in failed:
+            home = node_of_worker(current.members[rank])
+            while rank not in replaced:
+                spares = sorted(self.ready_spares(), key=lambda w: (node_of_worker(w) != home, w))
+                for worker in spares:
+                    claim = f"assigned:{epoch}:{rank}".encode()
+                    if self.kv.compare_set(f"spare/{worker}", b"ready", claim) == claim:
+                        replaced[rank] = worker
+                        break
+                else:
+                    if time.monotonic() > deadline:
+                        for r, worker in replaced.items():  # give back what was claimed
+                            self.kv.compare_set(f"spare/{worker}", f"assigned:{epoch}:{r}".encode(), b"ready")
+                        raise JobFailedError(
+                            f"no hot spare became ready within {timeout:.0f}s to replace rank {rank} "
+                            "(every spare started so far is in use or lost). Start the job with more --spares.")
+                    time.sleep(0.05)
+        return replaced
+
+    def fail_job(self, message: str) -> str:
+        """Record why the job stops (the first reason wins); returns the recorded one."""
+        return self.kv.compare_set("job/failed", b"", message.encode()).decode()
+
+    def failure(self) -> Optional[str]:
+        raw = self.kv.get("job/failed")
+        return raw.decode() if raw else None

@@ -1,0 +1,664 @@
+"""The worker's side of a peerstate job: join, train, and turn failures into recoveries.
+
+The whole integration with a training loop::
+
+    job = peerstate.Job()                       # a hot spare waits here for a rank
+    model = Net(); optimizer = torch.optim.AdamW(model.parameters())
+    ddp = job.ddp(model)                        # DistributedDataParallel, rebuilt after a recovery
+    job.track(model=model, optimizer=optimizer, scheduler=scheduler)
+    for step in job.steps(1000):                # resumes at v+1 after a recovery
+        with job.guard():                       # a failure in here becomes a recovery
+            loss = loss_fn(ddp(batch(step)))
+            optimizer.zero_grad(); loss.backward(); optimizer.step()
+    job.close()
+
+What happens at each step boundary (the end of ``guard``): the step's state
+is snapshotted as version ``step`` in the background, and the copy overlaps
+the next step's forward and backward; ``optimizer.step()`` of the next step
+waits for it (a pre-step hook) and then starts replicating it to the buddies,
+which overlaps the rest of that step. Small state (RNG states, scheduler,
+extras) is captured eagerly at the boundary.
+
+What happens on a failure: the agent writes a plan for a new epoch; this
+worker's watcher thread sees it within milliseconds and aborts the process
+group and the replication transfers, so the loop's blocked call fails into
+``guard``. The next turn of ``steps()`` then joins the new epoch: members
+report what they hold, agree on the recovery point v (the newest version held
+for every rank), re-form the process group, roll back to v (survivors from
+their own snapshot, the replacement by pulling it from the buddies), rebuild
+DDP and go on at step v+1, bit for bit the run that never failed.
+
+Data is addressed by step: the loop must draw batch ``step`` from the step
+number (or from a loader given to ``track``, whose ``state_dict`` is captured),
+so that a replayed step sees the same data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+from peerstate.coordinator import (Coordinator, MemberReport, RecoveryPlan, node_of_worker, recovery_point,
+                                   sources_of)
+from peerstate.errors import InvalidArgumentError, JobFailedError, StateLostError
+from peerstate.kvstore import TorchKeyValueStore
+from peerstate.placement import BuddyPlacement
+from peerstate.process_groups import ProcessGroups
+from peerstate.progress import ProgressCounter
+from peerstate.replication import Replication
+from peerstate.snapshot import SnapshotStore
+from peerstate.state_dict import register_training_state
+from peerstate.timeline import EventLog, read_events, recovery_timeline
+
+
+class _Superseded(Exception):
+    """A newer epoch began while this one was being joined."""
+
+
+class EpochWatcher:
+    """Blocks on the next epoch's plan key (its own store connection) and calls
+    ``on_epoch(plan)`` from its thread the moment the plan appears."""
+
+    def __init__(self, kv: TorchKeyValueStore, plan: RecoveryPlan, on_epoch: Callable[[RecoveryPlan], None]) -> None:
+        self._kv = kv
+        self._latest = plan
+        self._on_epoch = on_epoch
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peerstate-epoch-watcher", daemon=True)
+        self._thread.start()
+
+    @property
+    def latest(self) -> RecoveryPlan:
+        with self._changed:
+            return self._latest
+
+    def wait_newer(self, epoch: int, timeout: float) -> bool:
+        """True once an epoch newer than ``epoch`` is known (False after ``timeout``)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._latest.epoch > epoch, timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            key = f"epoch/{self._latest.epoch + 1}/plan"
+            try:
+                self._kv.wait([key], timeout=1.0)
+                plan = RecoveryPlan.decode(self._kv.get(key))
+            except TimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 - the store went away: the job is over
+                return
+            with self._changed:
+                self._latest = plan
+                self._changed.notify_all()
+            self._on_epoch(plan)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3.0)
+
+
+class RebuildableDDP:
+    """A DistributedDataParallel that the job rebuilds on each re-formed process
+    group. Call it and use its attributes as the DDP module itself.
+
+    Why the bucket layout is carried over: a fresh DDP reduces its first
+    iteration in buckets laid out in parameter order and only then re-buckets
+    by the order gradients became ready. Where a gradient element sits in a
+    bucket decides the order gloo/NCCL sum it across ranks, so that first
+    iteration would differ from a never-rebuilt DDP in the last bit (with 3 or
+    more ranks). A rebuilt DDP is therefore built with the layout the old one
+    had settled on, and a replacement receives it from the survivors.
+    """
+
+    def __init__(self, module: Any, init_sync: bool, options: Dict[str, Any],
+                 layout: Optional[List[List[int]]] = None) -> None:
+        self.__dict__.update(_module=module, _options=options, _ddp=None, _layout=None)
+        self.rebuild(init_sync, layout)
+
+    def rebuild(self, init_sync: bool = False, layout: Optional[List[List[int]]] = None) -> None:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.release()
+        compute = dist._compute_bucket_assignment_by_size
+        if layout:
+            def settled(params: Any, limits: List[int], *args: Any, **kwargs: Any) -> Tuple[list, list]:
+                # DDP reverses what this returns, so hand it the layout reversed.
+                per_bucket = [limits[min(i, len(limits) - 1)] for i in range(len(layout))]
+                return list(reversed(layout)), list(reversed(per_bucket))
+
+            dist._compute_bucket_assignment_by_size = settled
+        try:
+            self.__dict__["_ddp"] = DistributedDataParallel(self._module, init_sync=init_sync, **self._options)
+        finally:
+            dist._compute_bucket_assignment_by_size = compute
+        self.__dict__["_layout"] = layout
+
+    def bucket_layout(self) -> Optional[List[List[int]]]:
+        """The parameter indices of each bucket, as the DDP reduces them now."""
+        if self._ddp is None:
+            return self._layout
+        data = self._ddp._get_ddp_logging_data()
+        if not data.get("has_rebuilt_buckets"):
+            return self._layout
+        return [[int(i) for i in bucket.split()] for bucket in data["rebuilt_per_bucket_param_indices"].split(",")]
+
+    def release(self) -> None:
+        """Drop the DDP of an aborted group (its reducer's gradient hooks go with it)."""
+        if self._ddp is not None:
+            self.__dict__["_layout"] = self.bucket_layout()
+        self.__dict__["_ddp"] = None
+        import gc
+
+        gc.collect()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._ddp(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_ddp"], name)
+
+
+class _Environment:
+    """What ``peerstate run`` passes to each process it starts."""
+
+    def __init__(self) -> None:
+        env = os.environ
+        if "PEERSTATE_STORE" not in env:
+            raise InvalidArgumentError(
+                "peerstate.Job() runs in a process started by `peerstate run` (PEERSTATE_STORE is not set); "
+                "start the script with: peerstate run --nproc-per-node N --spares S script.py")
+        host, port = env["PEERSTATE_STORE"].rsplit(":", 1)
+        self.store_host, self.store_port = host, int(port)
+        self.worker = env["PEERSTATE_WORKER"]
+        self.role = env.get("PEERSTATE_ROLE", "worker")
+        self.world_size = int(env["WORLD_SIZE"])
+        self.nproc_per_node = int(env["LOCAL_WORLD_SIZE"])
+        self.host = env.get("PEERSTATE_HOST", "127.0.0.1")
+        self.progress = env.get("PEERSTATE_PROGRESS")
+        self.events = env.get("PEERSTATE_EVENTS")
+        self.secret = bytes.fromhex(env["PEERSTATE_SECRET"]) if "PEERSTATE_SECRET" in env else None
+
+
+class Job:
+    """This process's membership in a peerstate job (see the module docstring).
+
+    Args:
+        snapshot_every: snapshot (and replicate) every N steps; a failure costs at
+            most N steps of work.
+        versions: snapshot versions kept per rank (>= 3: the recovery point can lag
+            the newest local version by one step while replication catches up).
+        k: copies of each rank's state on other ranks.
+        backend: "gloo" or "nccl" (default: nccl when CUDA is available).
+        checkpoint_dir: where a disk checkpoint (torch.distributed.checkpoint) is
+            written every ``checkpoint_every`` steps, the fallback when a failure
+            takes every copy of some rank's state.
+        join_timeout: seconds to wait for every member while joining an epoch.
+        failure_grace: seconds an error in the loop may wait for the coordinator to
+            declare a failure before it is treated as a bug and raised.
+        replica_budget_bytes, snapshot_threads: passed to the stores.
+    """
+
+    def __init__(self, *, snapshot_every: int = 1, versions: int = 3, k: int = 1, backend: Optional[str] = None,
+                 checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, join_timeout: float = 120.0,
+                 failure_grace: float = 30.0, replica_budget_bytes: Optional[int] = None,
+                 snapshot_threads: Optional[int] = None) -> None:
+        if snapshot_every < 1 or versions < 3:
+            raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 3 (got {snapshot_every}, {versions})")
+        if checkpoint_every and not checkpoint_dir:
+            raise InvalidArgumentError("checkpoint_every needs a checkpoint_dir")
+        import torch
+
+        self._env = env = _Environment()
+        self.snapshot_every = snapshot_every
+        self.checkpoint_dir = checkpoint_dir or os.environ.get("PEERSTATE_CHECKPOINT_DIR")
+        self.checkpoint_every = checkpoint_every or int(os.environ.get("PEERSTATE_CHECKPOINT_EVERY", "0"))
+        self.join_timeout = join_timeout
+        self.failure_grace = failure_grace
+        self.world_size = env.world_size
+        self.worker = env.worker
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.events = EventLog(env.events, env.worker)
+        self.kv = TorchKeyValueStore(env.store_host, env.store_port, timeout=join_timeout)
+        self.coordinator = Coordinator(self.kv, env.world_size)
+        self.placement = BuddyPlacement([r // env.nproc_per_node for r in range(env.world_size)], k=k)
+        secret = env.secret or bytes.fromhex(self.kv.get("job/secret").decode())
+        self.progress = ProgressCounter(env.progress) if env.progress else None
+        if self.progress:
+            self.progress.start_ticking()
+
+        plan, self.rank = self._wait_for_rank()
+        os.environ.update(RANK=str(self.rank), LOCAL_RANK=str(self.rank % env.nproc_per_node),
+                          GROUP_RANK=str(node_of_worker(self.worker)))
+        self.snapshots = SnapshotStore(max_versions=versions, threads=snapshot_threads)
+        self.replication = Replication(self.snapshots, self.rank, self.placement, secret=secret, host=env.host,
+                                       replica_budget_bytes=replica_budget_bytes)
+        self.groups = ProcessGroups(self.backend)
+        self.epoch = -1
+        self.next_step = 0
+        self._registered = False
+        self._needs_state = plan.epoch > 0  # a spare: its state comes from the buddies
+        self._pending_restore: Optional[Tuple[str, Any]] = None  # ("pull", version) or ("checkpoint", path)
+        self._pending_replication: Optional[int] = None
+        self._tracked: Dict[str, Any] = {}
+        self._ddps: List[RebuildableDDP] = []
+        self._needs_recovery = False
+        self._in_guard = False
+        self._guarded = False
+        self._marks: Dict[str, float] = {}
+        self._first_step_after: Optional[int] = None
+        self._step_seconds: List[float] = []
+        self._start_recorded = False
+        self._closed = False
+        self.recoveries = 0
+        self.watcher = EpochWatcher(self.kv.clone(), plan, self._on_new_epoch)
+        try:
+            self._join(plan)
+        except _Superseded:
+            self._recover()
+
+    # -- the loop --------------------------------------------------------------------
+    def ddp(self, model: Any, **options: Any) -> RebuildableDDP:
+        """Wrap ``model`` in DistributedDataParallel; the job rebuilds it on every
+        re-formed group. A replacement skips DDP's initial broadcast: its state
+        arrives from the buddies."""
+        layout = None
+        if self._needs_state:  # survivors publish the layout their DDP settled on
+            key = f"epoch/{self.epoch}/ddp/{len(self._ddps)}"
+            self.kv.wait([key], timeout=self.join_timeout)
+            layout = json.loads(self.kv.get(key))
+        wrapper = RebuildableDDP(model, init_sync=not self._needs_state, options=options, layout=layout)
+        self._ddps.append(wrapper)
+        return wrapper
+
+    def track(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, loader: Any = None,
+              extras: Optional[Mapping[str, Any]] = None) -> None:
+        """Say what the training state is. ``scheduler``, ``loader`` and each of
+        ``extras`` need ``state_dict()``/``load_state_dict()``; the RNG states of
+        Python, NumPy, torch and CUDA are always captured. Optimizer state appears
+        at the first step, so registration happens at the first step boundary
+        (a replacement materialises it now and receives its values)."""
+        self._tracked = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
+                         "extras": dict(extras or {})}
+        if self._pending_restore is not None:
+            if optimizer is not None and not optimizer.state:
+                from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+                _init_optim_state(optimizer)
+            self._register()
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(lambda *_: self._start_replication())
+        if self._pending_restore is not None:
+            self._restore_pending()
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step numbers from where the job stands to ``total`` - 1, recovering
+        between steps when a failure was caught by ``guard``."""
+        while True:
+            if self._needs_recovery:
+                self._recover()
+            if self.next_step >= total:
+                break
+            self._guarded = False
+            yield self.next_step
+            if not self._guarded and not self._needs_recovery:
+                raise InvalidArgumentError("wrap the body of the steps() loop in `with job.guard():`")
+        self._finish(total)
+
+    def guard(self) -> "_Guard":
+        """Context manager for one step's body: a failure inside becomes a recovery."""
+        return _Guard(self)
+
+    # -- joining an epoch -----------------------------------------------------------
+    def _wait_for_rank(self) -> Tuple[RecoveryPlan, int]:
+        if self._env.role != "spare":
+            self.kv.wait(["epoch/0/plan"], timeout=self.join_timeout)
+            return self.coordinator.plan(0), int(os.environ["RANK"])
+        self.coordinator.register_spare(self.worker)
+        self.events.write("spare_ready")
+        key = f"assign/{self.worker}"
+        while True:
+            try:
+                self.kv.wait([key], timeout=5.0)
+                break
+            except TimeoutError:
+                if self.coordinator.failure():
+                    raise JobFailedError(f"the job stopped while this spare waited: {self.coordinator.failure()}")
+        assignment = json.loads(self.kv.get(key))
+        self.events.write("spare_assigned", **assignment)
+        return self.coordinator.plan(assignment["epoch"]), assignment["rank"]
+
+    def _on_new_epoch(self, plan: RecoveryPlan) -> None:
+        """Watcher thread: make the loop's blocked calls fail now."""
+        self._marks = {}
+        self.groups.abort()
+        self.replication.abort_transfers()
+        self.events.write("epoch_seen", epoch=plan.epoch, rank=self.rank)
+
+    def _recover(self) -> None:
+        while True:
+            plan = self.watcher.latest
+            try:
+                self._join(plan)
+                break
+            except _Superseded:
+                continue
+        self._needs_recovery = False
+
+    def _join(self, plan: RecoveryPlan) -> None:
+        """Join ``plan``'s epoch: report, agree on the recovery point, re-form, restore."""
+        if plan.members.get(self.rank) != self.worker:
+            raise JobFailedError(f"rank {self.rank} was given to {plan.members.get(self.rank)} in epoch "
+                                 f"{plan.epoch}: this worker was declared failed")
+        if plan.epoch > 0:
+            for wrapper in self._ddps:
+                wrapper.release()
+            for index, wrapper in enumerate(self._ddps):
+                if not self._needs_state:
+                    self.kv.compare_set(f"epoch/{plan.epoch}/ddp/{index}", b"",
+                                        json.dumps(wrapper.bucket_layout()).encode())
+            self.groups.destroy()
+            self.replication.reset()
+            try:
+                self.snapshots.wait()  # a local copy in flight completes: it may be the recovery point
+            except Exception:  # noqa: BLE001 - a failed version simply is not committed
+                pass
+            self._pending_replication = None
+            if not self._needs_state:
+                self._mark("abort")
+        self.epoch = plan.epoch
+        self.kv.set(f"epoch/{plan.epoch}/report/{self.rank}", MemberReport(
+            self.rank, self.worker, self.snapshots.committed_versions(), self.replication.holdings(),
+            self.replication.address, self._needs_state).encode())
+        reports = self._gather_reports(plan.epoch)
+        self.groups.form(self.kv.torch_store, plan.epoch, self.rank, self.world_size, self.join_timeout)
+        self._check_current(plan.epoch)
+        self.replication.connect({r: report.address for r, report in reports.items()})
+        self._mark("re-form")
+        self.events.write("joined", epoch=plan.epoch, rank=self.rank)
+        if plan.epoch == 0:
+            return
+        self.recoveries += 1
+        version, lost = recovery_point(reports, self.placement)
+        if version is None:
+            restore = self._fall_back_to_checkpoint(plan, lost)
+            version = restore[1]
+        else:
+            restore = ("pull", version, sources_of(self.rank, version, reports, self.placement))
+        self.next_step = version + 1
+        self._first_step_after = self.next_step
+        if self._needs_state:
+            self._pending_restore = restore
+            served = self.placement.served_by(self.rank)
+            self.kv.wait([f"bytes/{r}" for r in served], timeout=self.join_timeout)
+            self.replication.reserve({r: int(self.kv.get(f"bytes/{r}")) for r in served})
+            if self._registered:  # joined earlier, superseded before its restore
+                self._restore_pending()
+            return
+        if restore[0] == "checkpoint":
+            self._load_checkpoint(restore[2])
+        else:
+            self.snapshots.restore(version)
+        self._mark("restore")
+        for wrapper in self._ddps:
+            wrapper.rebuild(init_sync=False, layout=wrapper.bucket_layout())
+        if any(reports[h].needs_state for h in self.placement.holders(self.rank)) and restore[0] == "pull":
+            self.replication.replicate(version)  # give the new holder its copy now, not a step later
+
+    def _gather_reports(self, epoch: int) -> Dict[int, MemberReport]:
+        keys = [f"epoch/{epoch}/report/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.join_timeout
+        while True:
+            self._check_current(epoch)
+            try:
+                self.kv.wait(keys, timeout=0.5)
+                break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    missing = [r for r, raw in zip(range(self.world_size), self.kv.get_many(keys)) if raw is None]
+                    raise JobFailedError(f"ranks {missing} did not join epoch {epoch} within "
+                                         f"{self.join_timeout:.0f}s") from None
+        return {r: MemberReport.decode(raw) for r, raw in enumerate(self.kv.get_many(keys))}
+
+    def _check_current(self, epoch: int) -> None:
+        if self.watcher.latest.epoch > epoch:
+            raise _Superseded()
+        failure = self.coordinator.failure()
+        if failure:
+            raise JobFailedError(f"the job stopped: {failure}")
+
+    def _fall_back_to_checkpoint(self, plan: RecoveryPlan, lost: Dict[int, str]) -> Tuple[str, int, str]:
+        failed = " and ".join(map(str, plan.failed))
+        message = f"ranks {failed} lost; " + "; ".join(lost.values())
+        checkpoint = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
+        if checkpoint is None:
+            reason = f"{message}. No disk checkpoint is configured (--checkpoint-dir), so the job stops."
+            self.coordinator.fail_job(reason)
+            self.events.write("state_lost", epoch=plan.epoch, message=reason)
+            raise StateLostError(reason)
+        step, path = checkpoint
+        self.events.write("checkpoint_fallback", epoch=plan.epoch, message=message, step=step, path=path)
+        print(f"peerstate: {message}; falling back to the disk checkpoint of step {step} ({path})",
+              file=sys.stderr, flush=True)
+        return ("checkpoint", step, path)
+
+    def _restore_pending(self) -> None:
+        kind, version, where = self._pending_restore
+        if kind == "checkpoint":
+            self._load_checkpoint(where)
+            self._mark("transfer")
+        else:
+            self.replication.pull(self.rank, version, sources=where)
+            self._mark("transfer")
+            self.snapshots.restore(version)
+        self._mark("restore")
+        self._pending_restore = None
+        self._needs_state = False
+
+    # -- step boundaries ------------------------------------------------------------
+    def _end_step(self, step: int, seconds: float) -> None:
+        if self.progress:
+            self.progress.set_step(step)
+        if not self._registered:
+            self._register()
+        if step % self.snapshot_every == 0:
+            self._start_replication()  # no optimizer hook ran (no optimizer tracked)
+            self.snapshots.snapshot(step)
+            self._pending_replication = step
+        if self.checkpoint_every and step % self.checkpoint_every == 0:
+            self._save_checkpoint(step)
+        if self._first_step_after == step:
+            self._first_step_after = None
+            self._mark("first step")
+            self._publish_marks()
+        else:
+            self._step_seconds.append(seconds)
+        if not self._start_recorded:  # the job's wall clock starts with its first step
+            self.kv.compare_set("job/started", b"", str(time.time() - seconds).encode())
+            self._start_recorded = True
+
+    def _start_replication(self) -> None:
+        """Before optimizer.step(): the snapshot of the last version must be complete
+        (it reads the live tensors); then stream it to the buddies in the background."""
+        version, self._pending_replication = self._pending_replication, None
+        if version is not None:
+            self.snapshots.wait()
+            self.replication.replicate(version)
+
+    def _register(self) -> None:
+        tracked = self._tracked
+        register_training_state(self.snapshots, model=tracked.get("model"), optimizer=tracked.get("optimizer"))
+        stateful = {"scheduler": tracked.get("scheduler"), "loader": tracked.get("loader"),
+                    **{f"extras/{n}": v for n, v in tracked.get("extras", {}).items()}}
+        for name, obj in stateful.items():
+            if obj is not None:
+                self.snapshots.register_object(name, obj.state_dict, obj.load_state_dict)
+        self.snapshots.register_object("rng", _rng_state, _set_rng_state)
+        self.snapshots.native.allocate()
+        nbytes = self.snapshots.memory()["bytes_per_version"]
+        self.kv.set(f"bytes/{self.rank}", str(nbytes).encode())
+        if not self._needs_state:  # a replacement reserved its replicas when it joined
+            served = self.placement.served_by(self.rank)
+            self.kv.wait([f"bytes/{r}" for r in served], timeout=self.join_timeout)
+            self.replication.reserve({r: int(self.kv.get(f"bytes/{r}")) for r in served})
+        self._registered = True
+
+    # -- disk checkpoints (the fallback when every copy is lost) --------------------
+    def _checkpoint_state(self) -> Dict[str, Any]:
+        import torch
+
+        state: Dict[str, Any] = {f"rank{self.rank}/{name}": owner for name, owner in self.snapshots.owners().items()
+                                 if isinstance(owner, torch.Tensor)}
+        state[f"rank{self.rank}/objects"] = self.snapshots.capture_objects()
+        return state
+
+    def _save_checkpoint(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.snapshots.wait()
+        dcp.save(self._checkpoint_state(), checkpoint_id=os.path.join(self.checkpoint_dir, f"step_{step:09d}"))
+
+    def _load_checkpoint(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        state = self._checkpoint_state()
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+        self.snapshots.apply_objects(state[f"rank{self.rank}/objects"])
+
+    # -- accounting -----------------------------------------------------------------
+    def _mark(self, phase: str) -> None:
+        self._marks[phase] = time.time()
+
+    def _publish_marks(self) -> None:
+        epoch = self.epoch
+        self.kv.set(f"epoch/{epoch}/marks/{self.rank}", json.dumps(self._marks).encode())
+        if self.kv.add(f"epoch/{epoch}/marks_done", 1) != self.world_size:
+            return
+        plan = self.coordinator.plan(epoch)
+        marks = [json.loads(raw) for raw in self.kv.get_many(
+            [f"epoch/{epoch}/marks/{r}" for r in range(self.world_size)]) if raw]
+        fault = _fault_time(self._env.events, plan)
+        timeline = recovery_timeline(plan.__dict__, marks, fault)
+        self.events.write("recovery", **timeline)
+        phases = ", ".join(f"{k} {v:.3f}s" for k, v in timeline["phases_s"].items() if v is not None)
+        print(f"peerstate: recovered epoch {epoch} (ranks {plan.failed}) in {timeline['total_s']:.2f}s "
+              f"from {timeline['from']}: {phases}", file=sys.stderr, flush=True)
+
+    def _finish(self, total: int) -> None:
+        self._start_replication()
+        if self.replication.replicator.in_flight_version() is not None:
+            self.replication.wait(self.replication.replicator.in_flight_version(), check=False)
+        if self.kv.add("job/finished", 1) == self.world_size:
+            started = float(self.kv.get("job/started") or time.time())
+            wall = time.time() - started
+            step_s = statistics.median(self._step_seconds) if self._step_seconds else 0.0
+            goodput = min(1.0, total * step_s / wall) if wall > 0 else 0.0
+            self.events.write("job_end", steps=total, wall_s=wall, median_step_s=step_s, goodput=goodput,
+                              recoveries=self.epoch)
+            print(f"peerstate: job finished {total} steps in {wall:.2f}s through {self.epoch} recoveries; "
+                  f"goodput {goodput:.1%}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Stop watching, serving and snapshotting (call once the loop is done)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.watcher.stop()
+        self.replication.close()
+        for wrapper in self._ddps:
+            wrapper.release()
+        self.groups.destroy()
+        self.snapshots.close()
+        if self.progress:
+            self.progress.close()
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _Guard:
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def __enter__(self) -> None:
+        self.job._guarded = True
+        self.started = time.monotonic()
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
+        job = self.job
+        step = job.next_step
+        epoch = job.epoch
+        if exc_type is None and job.watcher.latest.epoch == epoch:
+            try:
+                job._end_step(step, time.monotonic() - self.started)
+                job.next_step = step + 1
+                return False
+            except Exception:  # noqa: BLE001 - a failure during the boundary is a failure too
+                if job.watcher.latest.epoch == epoch and not job.watcher.wait_newer(epoch, job.failure_grace):
+                    raise
+        elif exc_type is not None:
+            if not issubclass(exc_type, Exception):
+                return False  # KeyboardInterrupt, SystemExit
+            if job.watcher.latest.epoch == epoch and not job.watcher.wait_newer(epoch, job.failure_grace):
+                return False  # no failure was declared: a genuine error in the loop
+        job.events.write("step_interrupted", step=step, epoch=epoch,
+                         error=f"{exc_type.__name__}: {str(exc)[:200]}" if exc_type else None)
+        job._needs_recovery = True
+        return True
+
+
+def latest_checkpoint(directory: str) -> Optional[Tuple[int, str]]:
+    """(step, path) of the newest complete checkpoint in ``directory`` (DCP writes
+    .metadata last, so a directory without it is incomplete)."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    done = [name for name in os.listdir(directory)
+            if name.startswith("step_") and os.path.exists(os.path.join(directory, name, ".metadata"))]
+    if not done:
+        return None
+    newest = max(done)
+    return int(newest[5:]), os.path.join(directory, newest)
+
+
+def _fault_time(events_path: Optional[str], plan: RecoveryPlan) -> Optional[float]:
+    """When the fault this plan answers was injected, if the injector logged it."""
+    if not events_path or not os.path.exists(events_path):
+        return None
+    faults = [e["time"] for e in read_events(events_path)
+              if e["event"] == "fault_injected" and plan.detected_at - 60 < e["time"] <= plan.detected_at]
+    return max(faults) if faults else None
+
+
+def _rng_state() -> Dict[str, Any]:
+    import torch
+
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])

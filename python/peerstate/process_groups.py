@@ -1,0 +1,111 @@
+"""The training's process group, formed per epoch and abortable from any thread.
+
+Forming: ``torch.distributed.init_process_group`` over the job's TCPStore under
+the prefix ``pg/{epoch}/``, so a re-formed group never reads the keys of the
+group it replaces.
+
+Aborting, so that a training loop blocked in a collective fails at once:
+- NCCL: ``ProcessGroup.abort()`` (``ncclCommAbort``), made for this.
+- gloo: ``abort()`` exists but does not wake a collective already blocked on a
+  peer (torch 2.13: the call returns and the collective still waits for its
+  timeout). What does work is ``shutdown(2)`` on the group's connected sockets:
+  the blocked read fails at once with "Connection closed by peer", here and on
+  the peers at the other end. The sockets are the ones ``init_process_group``
+  opened (gloo connects its full mesh eagerly); they are recognised by inode,
+  so a reused descriptor number is never touched, and listening sockets are
+  left alone (gloo treats a failed accept() as fatal). Groups created later with
+  ``new_group`` are not covered.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+from typing import Optional, Set
+
+from peerstate.errors import TimeoutError as PeerstateTimeoutError
+
+
+def _socket_inodes() -> Set[str]:
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (or the listdir's own descriptor)
+        if link.startswith("socket:"):
+            inodes.add(link)
+    return inodes
+
+
+class ProcessGroups:
+    """The default process group of the current epoch."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.epoch: Optional[int] = None
+        self._sockets: Set[str] = set()
+        self._lock = threading.Lock()
+
+    def form(self, torch_store, epoch: int, rank: int, world_size: int, timeout: float) -> None:
+        """Join the epoch's group (blocks until every rank joins, or ``timeout``)."""
+        import torch.distributed as dist
+
+        self.destroy()
+        before = _socket_inodes()
+        try:
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{epoch}/", torch_store), rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        except Exception as error:  # noqa: BLE001 - torch raises several types for a missed rendezvous
+            raise PeerstateTimeoutError(
+                f"re-forming the process group of epoch {epoch} failed within {timeout:.0f}s: {error}") from None
+        with self._lock:
+            self.epoch = epoch
+            self._sockets = _socket_inodes() - before if self.backend == "gloo" else set()
+
+    def abort(self) -> None:
+        """Make every collective of this group fail now (thread-safe, idempotent, never blocks long)."""
+        with self._lock:
+            if self.epoch is None:
+                return
+            if self.backend == "gloo":
+                self._shutdown_sockets()
+                return
+        import torch.distributed as dist
+
+        try:
+            group = dist.distributed_c10d._get_default_group()
+            group.abort()
+        except Exception:  # noqa: BLE001 - already destroyed or aborted
+            pass
+
+    def destroy(self) -> None:
+        """Tear the group down (main thread, after abort())."""
+        import torch.distributed as dist
+
+        with self._lock:
+            self.epoch = None
+            self._sockets = set()
+        if dist.is_initialized():
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # noqa: BLE001 - fall back to the plain teardown
+                dist.destroy_process_group()
+
+    def _shutdown_sockets(self) -> None:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") not in self._sockets:
+                    continue
+                sock = socket.socket(fileno=os.dup(int(fd)))
+            except OSError:
+                continue
+            try:
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already shut down by the peer
+            finally:
+                sock.close()  # closes the dup only; gloo's descriptor stays valid

@@ -1,0 +1,60 @@
+"""A worker's progress counter in shared memory, watched by its node agent.
+
+Two 64-bit words in a small file the agent creates (under /dev/shm when it
+exists): a heartbeat the worker's ticker thread bumps every ``interval``
+seconds, and the last completed step. A frozen process (SIGSTOP, a native
+call holding the GIL forever) stops the heartbeat; a rank that is merely
+blocked in a collective on a frozen peer keeps ticking, so only the frozen
+rank is blamed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from typing import Optional
+
+_FORMAT = "<Qq"
+SIZE = struct.calcsize(_FORMAT)
+
+
+def create(path: str) -> None:
+    """Create a zeroed counter file (agent side)."""
+    with open(path, "wb") as f:
+        f.write(bytes(SIZE))
+
+
+class ProgressCounter:
+    """One worker's counter (both sides map the same file)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self._ticker: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+
+    def read(self) -> tuple:
+        """(heartbeat, step)."""
+        return struct.unpack_from(_FORMAT, self._map, 0)
+
+    def set_step(self, step: int) -> None:
+        struct.pack_into("<q", self._map, 8, step)
+
+    def start_ticking(self, interval: float = 0.1) -> None:
+        def tick() -> None:
+            while not self._stop.wait(interval):
+                struct.pack_into("<Q", self._map, 0, struct.unpack_from("<Q", self._map, 0)[0] + 1)
+
+        self._ticker = threading.Thread(target=tick, name="peerstate-progress", daemon=True)
+        self._ticker.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()

@@ -1,0 +1,61 @@
+"""A small DDP training job under peerstate, for the launcher and recovery tests.
+
+Every batch is a function of (seed, step, rank), so a replayed step sees the
+same data. At the end rank 0 writes the final parameters to --out.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import peerstate
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--step-seconds", type=float, default=0.05, help="extra time per step, so faults land mid-run")
+parser.add_argument("--out", default=None)
+parser.add_argument("--fail-at-import", action="store_true")
+parser.add_argument("--trace", action="store_true", help="print a digest of the parameters at each step")
+parser.add_argument("--width", type=int, default=64)
+args = parser.parse_args()
+if args.fail_at_import:
+    raise ImportError("this script was told to fail at start-up")
+
+torch.set_num_threads(1)
+job = peerstate.Job(join_timeout=60.0, failure_grace=20.0)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 4))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
+print(f"rank {job.rank} pid {os.getpid()}", flush=True)
+ddp = job.ddp(model)
+job.track(model=model, optimizer=optimizer, scheduler=scheduler)
+
+for step in job.steps(args.steps):
+    with job.guard():
+        generator = torch.Generator().manual_seed(1000 * step + job.rank)
+        x = torch.randn(32, 16, generator=generator)
+        y = torch.randn(32, 4, generator=generator)
+        noise = torch.randn(32, 4) * 0.01  # draws from the global RNG: its state must be restored too
+        loss = F.mse_loss(ddp(x) + noise, y)
+        optimizer.zero_grad()
+        loss.backward()
+        time.sleep(args.step_seconds)
+        optimizer.step()
+        scheduler.step()
+    if args.trace:
+        digest = sum(float(p.double().sum()) for p in model.parameters())
+        print(f"rank {job.rank} step {step} params {digest!r} lr {optimizer.param_groups[0]['lr']!r}", flush=True)
+    else:
+        print(f"rank {job.rank} step {step}", flush=True)
+
+if args.out and job.rank == 0:
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out + ".tmp")
+    os.replace(args.out + ".tmp", args.out)
+print(f"rank {job.rank} done at step {job.next_step}, {job.recoveries} recoveries", flush=True)
+job.close()
+sys.exit(0)
