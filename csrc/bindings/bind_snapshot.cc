@@ -71,6 +71,9 @@ void bind_snapshot(py::module_& m) {
       .def("restore", [](SnapshotStore& s, int64_t version) {
         call_without_gil([&] { return s.restore(version); });
       })
+      .def("drop_newer", [](SnapshotStore& s, int64_t version) {
+        call_without_gil([&] { return s.drop_newer(version); });
+      })
       .def("allocate", [](SnapshotStore& s) { call_without_gil([&] { return s.allocate(); }); })
       .def("close", [](SnapshotStore& s) { call_without_gil([&] { return s.close(); }); })
       .def("committed_versions", &SnapshotStore::committed_versions)

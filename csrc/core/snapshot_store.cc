@@ -471,6 +471,12 @@ Status SnapshotStore::restore(int64_t version) {
     return Status(st.code(), "restore of version " + std::to_string(version) +
                                  " failed part way; the registered buffers are inconsistent: " +
                                  st.message());
+  return drop_newer(version);
+}
+
+Status SnapshotStore::drop_newer(int64_t version) {
+  if (closed_) return Status(StatusCode::kInvalidArgument, "the snapshot store is closed");
+  cancel_in_flight();
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& s : slots_)
     if (s->state == Slot::State::kCommitted && s->version > version) s->state = Slot::State::kEmpty;

@@ -101,6 +101,11 @@ class SnapshotStore {
   // dropped: training resumes from `version`. On any error the registered
   // buffers are untouched and every committed version is kept.
   Status restore(int64_t version);
+  // Cancels the in-flight version and forgets committed versions newer than
+  // `version`, without touching the buffers: for state that was rolled back
+  // by other means (a disk checkpoint of step `version`), so that the next
+  // snapshot may be `version` + 1.
+  Status drop_newer(int64_t version);
   // Allocates (and faults in) every version slot for the current registration
   // now, instead of on the first snapshots: a hot spare calls this before it is
   // needed, so a recovery does not wait for memory. kBusy while a version is in flight.

@@ -49,6 +49,9 @@ class SnapshotStore:
         """Block (GIL released) until the version in flight commits; raise its error."""
     def restore(self, version: int) -> None:
         """Verify, then copy a committed version into the buffers; nothing written on error."""
+    def drop_newer(self, version: int) -> None:
+        """Cancel the in-flight version and forget committed versions newer than
+        ``version``; the buffers are not touched."""
     def allocate(self) -> None:
         """Allocate and fault in every version slot now, not on the first snapshots."""
     def close(self) -> None: ...

@@ -111,6 +111,13 @@ class Agent:
             return self._watch()
         except JobFailedError as error:
             return self._stop(str(error))
+        except Exception as error:  # noqa: BLE001 - DistNetworkError and kin: the store is gone
+            if not hasattr(self, "kv"):
+                raise
+            self._stopping = True
+            print(f"peerstate: the job cannot go on: node {self.node} lost the job's store (hosted by node 0's "
+                  f"agent): {error}. Node {self.node} stops its workers and spares.", file=sys.stderr, flush=True)
+            return 1
         finally:
             self._kill_all()
 
@@ -209,12 +216,24 @@ class Agent:
                 if self.kv.add("job/finished", 0) >= self.world_size and not self._live_workers():
                     self.kv.set(f"node/{self.node}/done", b"1")
                     self.events.write("agent_done", node=self.node)
+                    if self.node == 0:
+                        self._wait_for_other_nodes()
                     return 0
                 self._follow_spares()
                 self._check_hangs(now)
                 self._check_leases(now)
                 self._refill()
             time.sleep(POLL_SECONDS)
+
+    def _wait_for_other_nodes(self) -> None:
+        """Node 0 hosts the store: it outlives the other agents' last reads."""
+        deadline = time.monotonic() + self.config.lease_timeout + 10
+        nodes = range(1, self.config.nnodes)
+        while time.monotonic() < deadline:
+            flags = self.kv.get_many([f"node/{n}/done" for n in nodes] + [f"node/{n}/dead" for n in nodes])
+            if all(flags[i] or flags[len(nodes) + i] for i in range(len(nodes))):
+                return
+            time.sleep(0.02)
 
     def _live_workers(self) -> List[_Process]:
         return [p for p in self.processes.values() if p.rank is not None and p.popen.poll() is None]

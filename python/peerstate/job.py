@@ -403,7 +403,7 @@ class Job:
                 self._restore_pending()
             return
         if restore[0] == "checkpoint":
-            self._load_checkpoint(restore[2])
+            self._load_checkpoint(restore[2], version)
         else:
             self.snapshots.restore(version)
         self._mark("restore")
@@ -435,8 +435,8 @@ class Job:
             raise JobFailedError(f"the job stopped: {failure}")
 
     def _fall_back_to_checkpoint(self, plan: RecoveryPlan, lost: Dict[int, str]) -> Tuple[str, int, str]:
-        failed = " and ".join(map(str, plan.failed))
-        message = f"ranks {failed} lost; " + "; ".join(lost.values())
+        ranks = sorted(r for r in lost if r >= 0) or plan.failed
+        message = f"rank{'s' if len(ranks) > 1 else ''} {' and '.join(map(str, ranks))} lost; " + "; ".join(lost.values())
         checkpoint = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
         if checkpoint is None:
             reason = f"{message}. No disk checkpoint is configured (--checkpoint-dir), so the job stops."
@@ -452,7 +452,7 @@ class Job:
     def _restore_pending(self) -> None:
         kind, version, where = self._pending_restore
         if kind == "checkpoint":
-            self._load_checkpoint(where)
+            self._load_checkpoint(where, version)
             self._mark("transfer")
         else:
             self.replication.pull(self.rank, version, sources=where)
@@ -525,12 +525,13 @@ class Job:
         self.snapshots.wait()
         dcp.save(self._checkpoint_state(), checkpoint_id=os.path.join(self.checkpoint_dir, f"step_{step:09d}"))
 
-    def _load_checkpoint(self, path: str) -> None:
+    def _load_checkpoint(self, path: str, step: int) -> None:
         import torch.distributed.checkpoint as dcp
 
         state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=path, no_dist=True)
         self.snapshots.apply_objects(state[f"rank{self.rank}/objects"])
+        self.snapshots.drop_newer(step)  # the next snapshot is step + 1
 
     # -- accounting -----------------------------------------------------------------
     def _mark(self, phase: str) -> None:

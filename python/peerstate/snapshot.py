@@ -185,6 +185,12 @@ class SnapshotStore:
         if self._objects:
             self.apply_objects(self._read_objects(memoryview(self._object_bytes)))
 
+    def drop_newer(self, version: int) -> None:
+        """Forget versions newer than ``version`` (and the one in flight) without
+        touching the buffers: after state was rolled back by other means, e.g. a
+        disk checkpoint of step ``version``."""
+        self._native.drop_newer(version)
+
     def committed_versions(self) -> List[int]:
         """Committed versions, oldest first."""
         return self._native.committed_versions()

@@ -1,0 +1,150 @@
+"""The coordinator's rules over a real TCPStore: one plan per epoch however many
+agents report at once, spares claimed once, and the recovery point."""
+
+import threading
+
+import pytest
+
+pytest.importorskip("torch")
+
+from peerstate import BuddyPlacement, JobFailedError  # noqa: E402
+from peerstate.coordinator import Coordinator, MemberReport, recovery_point, sources_of  # noqa: E402
+from peerstate.kvstore import TorchKeyValueStore  # noqa: E402
+from peerstate.timeline import recovery_timeline  # noqa: E402
+
+WORLD = 4
+MEMBERS = {r: f"n{r // 2}.{r % 2}" for r in range(WORLD)}
+
+
+@pytest.fixture
+def kv():
+    return TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=10)
+
+
+def coordinator(kv, spares=("n0.2", "n1.2")):
+    c = Coordinator(kv, WORLD)
+    kv.set("config", b'{"nnodes": 2, "nproc_per_node": 2, "world_size": 4}')
+    c.start(MEMBERS)
+    for spare in spares:
+        c.register_spare(spare)
+    return c
+
+
+def test_concurrent_reports_of_one_failure_make_one_plan(kv):
+    coordinator(kv)
+    plans, errors = [], []
+
+    def report(i):
+        try:  # each agent has its own connection, as in a real job
+            c = Coordinator(kv.clone(), WORLD)
+            plans.append(c.report_failure(["n1.0"], "killed", detected_at=1.0, me=f"agent{i}"))
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=report, args=(i,)) for i in range(6)]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    assert not errors
+    made = [p for p in plans if p is not None]
+    assert {p.epoch for p in made} == {1}
+    latest = Coordinator(kv, WORLD).latest_plan()
+    assert latest.epoch == 1 and latest.failed == [2]
+    assert latest.replaced == {2: "n1.2"}  # a spare of the failed worker's own node first
+    assert kv.get("assign/n1.2") is not None and kv.get("assign/n0.2") is None
+
+
+def test_two_failures_at_once_each_get_a_spare_and_an_epoch(kv):
+    coordinator(kv)
+    results = []
+    threads = [threading.Thread(target=lambda w=w, i=i: results.append(
+        Coordinator(kv.clone(), WORLD).report_failure([w], "killed", detected_at=1.0, me=f"agent{i}")))
+        for i, w in enumerate(["n0.1", "n1.1"])]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    latest = Coordinator(kv, WORLD).latest_plan()
+    assert latest.epoch == 2
+    assert {latest.members[1], latest.members[3]} == {"n0.2", "n1.2"}
+    assert sorted(r for p in results if p for r in p.failed) == [1, 3]
+
+
+def test_a_failure_already_replaced_makes_no_plan(kv):
+    c = coordinator(kv)
+    assert c.report_failure(["n0.0"], "killed", detected_at=1.0, me="a").epoch == 1
+    assert c.report_failure(["n0.0"], "killed again", detected_at=1.0, me="b") is None
+
+
+def test_no_spare_left_is_a_clear_error(kv):
+    c = coordinator(kv, spares=())
+    with pytest.raises(JobFailedError, match="no hot spare became ready within 0s to replace rank 1"):
+        c.report_failure(["n0.1"], "killed", detected_at=1.0, me="a", spare_timeout=0.2)
+
+
+def test_spares_of_a_dead_node_are_not_used(kv):
+    c = coordinator(kv)
+    c.mark_node_dead(1)
+    assert c.ready_spares() == ["n0.2"]
+    with pytest.raises(JobFailedError, match="replace rank 3"):  # rank 2 took the only live spare
+        c.report_failure(["n1.0", "n1.1"], "node 1 lost", detected_at=1.0, me="a", spare_timeout=0.2)
+    assert kv.get("spare/n0.2") == b"ready"  # the claim was given back
+
+
+def test_a_dead_spare_that_was_assigned_is_a_failure_of_its_rank(kv):
+    c = coordinator(kv)
+    assert c.spare_gone("n0.2") is None  # waiting: just leaves the pool
+    plan = c.report_failure(["n1.1"], "killed", detected_at=1.0, me="a")
+    assert plan.replaced == {3: "n1.2"}
+    assert c.spare_gone("n1.2") == (1, 3)
+
+
+def report(rank, local=(), replicas=None, needs_state=False):
+    return MemberReport(rank, f"w{rank}", list(local), dict(replicas or {}), ("127.0.0.1", 1), needs_state)
+
+
+PLACEMENT_4 = dict(node_of_rank=[0, 0, 1, 1], k=1)  # buddies: 0<->2, 1<->3
+
+
+def test_recovery_point_is_the_newest_version_held_for_every_rank():
+    placement = BuddyPlacement(**PLACEMENT_4)
+    reports = {0: report(0, [9, 10], {2: 9}), 1: report(1, [9, 10], {3: 10}),
+               2: report(2, needs_state=True), 3: report(3, [9, 10], {1: 10})}
+    # rank 2's replica on rank 0 is one step behind (its round of 10 had not landed)
+    assert recovery_point(reports, placement) == (9, {})
+    assert sources_of(2, 9, reports, placement) == [0]
+
+
+def test_recovery_point_names_the_lost_shards():
+    placement = BuddyPlacement(**PLACEMENT_4)
+    reports = {0: report(0, needs_state=True), 1: report(1, [5], {3: 5}),
+               2: report(2, needs_state=True), 3: report(3, [5], {1: 5})}
+    version, lost = recovery_point(reports, placement)
+    assert version is None
+    assert lost[0] == "shard of rank 0 has no surviving copy (its holders [2] were lost too)"
+    assert set(lost) == {0, 2}
+
+
+def test_recovery_point_from_a_replica_group_peer():
+    placement = BuddyPlacement(node_of_rank=[0, 1, 0, 1], k=1, replica_groups=[[0, 1], [2, 3]])
+    reports = {0: report(0, needs_state=True), 1: report(1, [6, 7]), 2: report(2, [6, 7]), 3: report(3, [6, 7])}
+    assert recovery_point(reports, placement) == (7, {})
+    assert sources_of(0, 7, reports, placement) == [1]
+
+
+def test_no_common_version_is_reported():
+    placement = BuddyPlacement(**PLACEMENT_4)
+    reports = {0: report(0, [3, 4], {2: 2}), 1: report(1, [3, 4]), 2: report(2, needs_state=True),
+               3: report(3, [3, 4])}
+    assert recovery_point(reports, placement) == (
+        None, {-1: "no version is held for every rank at once (the copies are of different steps)"})
+
+
+def test_timeline_phases_add_up_to_the_recovery():
+    plan = {"epoch": 1, "failed": [2], "replaced": {2: "n0.2"}, "reason": "killed", "detected_at": 100.0}
+    marks = [{"abort": 100.2, "re-form": 100.5, "restore": 100.6, "first step": 101.0},
+             {"abort": 100.3, "re-form": 100.4, "transfer": 100.9, "restore": 100.95, "first step": 101.1}]
+    timeline = recovery_timeline(plan, marks, fault_time=99.9)
+    phases = timeline["phases_s"]
+    assert phases["detect"] == pytest.approx(0.1)
+    assert phases["abort"] == pytest.approx(0.3) and phases["re-form"] == pytest.approx(0.2)
+    assert phases["transfer"] == pytest.approx(0.4) and phases["restore"] == pytest.approx(0.05)
+    assert phases["first step"] == pytest.approx(0.15)
+    assert timeline["total_s"] == pytest.approx(sum(phases.values()))

@@ -1,0 +1,157 @@
+"""In-process recovery end to end: real agents, real workers (DDP over gloo), real
+signals. Every faulty run must end with the parameters of the fault-free run,
+bit for bit."""
+
+import os
+import signal
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from jobs import Job  # noqa: E402
+
+STEPS = 40
+TWO_NODES = [(2, 1), (2, 0)]  # 4 workers on 2 simulated nodes + 1 spare
+FAST = ["--lease-timeout", "1.5", "--hang-timeout", "1.5", "--spare-timeout", "30", "--join-timeout", "60"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The fault-free run's final parameters."""
+    job = Job(tmp_path_factory.mktemp("reference"), [(4, 0)], steps=STEPS)
+    try:
+        assert job.wait() == [0], job.describe()
+        return torch.load(job.out)
+    finally:
+        job.close()
+
+
+@pytest.fixture
+def run(tmp_path):
+    jobs = []
+
+    def start(nodes=TWO_NODES, **kwargs):
+        kwargs.setdefault("agent_args", FAST)
+        job = Job(tmp_path / f"job{len(jobs)}", nodes, steps=kwargs.pop("steps", STEPS), **kwargs)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.close()
+
+
+def assert_bitwise(job, reference):
+    final = torch.load(job.out)
+    assert final.keys() == reference.keys()
+    different = [k for k in final if not torch.equal(final[k], reference[k])]
+    assert not different, f"parameters {different} differ from the fault-free run"
+
+
+def recoveries(job):
+    return job.events("recovery")
+
+
+def test_kill_one_worker_recovers_bitwise(run, reference):
+    job = run()
+    job.wait_for_step(2, 10)
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    [recovery] = recoveries(job)
+    assert recovery["failed"] == [2] and recovery["from"] == "fault"
+    assert set(recovery["phases_s"]) == {"detect", "abort", "re-form", "transfer", "restore", "first step"}
+    assert all(v is not None and v >= 0 for v in recovery["phases_s"].values())
+    [end] = job.events("job_end")
+    assert end["steps"] == STEPS and 0 < end["goodput"] <= 1
+
+
+def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):
+    job = run()
+    job.wait_for_step(1, 8)
+    job.kill_rank(1)
+    job.wait_for(lambda: recoveries(job), "the first recovery")
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "a refilled spare")
+    job.wait_for_step(3, 25)
+    job.kill_rank(3)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert [r["failed"] for r in recoveries(job)] == [[1], [3]]
+
+
+def test_a_dead_spare_is_replaced(run, reference):
+    job = run()
+    job.wait_for(lambda: job.spare_pids(), "the spare")
+    job.wait_for_step(0, 5)
+    [spare] = job.spare_pids()
+    os.kill(spare, signal.SIGKILL)  # the spare holds no rank yet
+    job.wait_for(lambda: [p for p in job.spare_pids() if p != spare], "a new spare")
+    job.wait_for_step(2, 15)
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert len(recoveries(job)) == 1
+
+
+def test_second_failure_during_a_recovery(run, reference):
+    job = run(nodes=[(2, 1), (2, 1)])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for_step(2, 10)
+    job.kill_rank(2)
+    job.wait_for(lambda: job.events("plan"), "the first plan")
+    job.kill_rank(1)  # while the job recovers from the first failure
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    plans = job.events("plan")
+    assert sorted(r for p in plans for r in p["failed"]) == [1, 2]
+
+
+def test_hung_worker_is_detected_by_its_progress_counter(run, reference):
+    job = run()
+    job.wait_for_step(3, 10)
+    job.kill_rank(3, signal.SIGSTOP)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    [exited] = [e for e in job.events("process_exited") if e["rank"] == 3 and e["code"] != 0]
+    assert "hung" in exited["how"]
+
+
+def test_whole_node_killed(run, reference):
+    job = run()
+    job.wait_for(lambda: job.spare_pids(), "the spare")
+    job.wait_for_step(2, 10)
+    job.kill_node(1)
+    codes = job.wait()
+    assert codes[0] == 0 and codes[1] == -signal.SIGKILL, job.describe()
+    assert_bitwise(job, reference)
+    plans = job.events("plan")
+    assert sorted(r for p in plans for r in p["failed"]) == [2, 3]
+    assert "node 1 lost" in plans[0]["reason"]
+
+
+def test_rank_and_its_only_buddy_lost_stops_the_job_cleanly(run):
+    job = run(nodes=[(2, 2), (2, 0)])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for_step(2, 10)
+    job.kill_rank(0)
+    job.kill_rank(2)  # rank 0's only buddy (k=1)
+    codes = job.wait()
+    assert codes == [1, 1], job.describe()
+    summary = job.agent_logs[0].read_text()
+    assert "ranks 0 and 2 lost" in summary and "shard of rank 0 has no surviving copy" in summary, summary
+    assert "cannot go on" in summary
+
+
+def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, reference, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    job = run(nodes=[(2, 2), (2, 0)],
+              agent_args=FAST + ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "5"])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for_step(2, 12)
+    job.kill_rank(0)
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    [fallback] = {e["step"]: e for e in job.events("checkpoint_fallback")}.values()
+    assert fallback["step"] % 5 == 0 and "ranks 0 and 2 lost" in fallback["message"]
