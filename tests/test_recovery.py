@@ -68,12 +68,11 @@ def test_kill_one_worker_recovers_bitwise(run, reference):
 
 
 def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):
-    job = run()
-    job.wait_for_step(1, 8)
+    job = run(script_args=["--step-seconds", "0.2"])  # slow steps: the refill takes a few seconds
+    job.wait_for_step(1, 5)
     job.kill_rank(1)
     job.wait_for(lambda: recoveries(job), "the first recovery")
     job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "a refilled spare")
-    job.wait_for_step(3, 25)
     job.kill_rank(3)
     assert job.wait() == [0, 0], job.describe()
     assert_bitwise(job, reference)
@@ -81,13 +80,12 @@ def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):
 
 
 def test_a_dead_spare_is_replaced(run, reference):
-    job = run()
+    job = run(script_args=["--step-seconds", "0.2"])  # slow steps: the refill takes a few seconds
     job.wait_for(lambda: job.spare_pids(), "the spare")
     job.wait_for_step(0, 5)
     [spare] = job.spare_pids()
     os.kill(spare, signal.SIGKILL)  # the spare holds no rank yet
     job.wait_for(lambda: [p for p in job.spare_pids() if p != spare], "a new spare")
-    job.wait_for_step(2, 15)
     job.kill_rank(2)
     assert job.wait() == [0, 0], job.describe()
     assert_bitwise(job, reference)

@@ -269,8 +269,10 @@ class Agent:
         def report() -> None:
             try:
                 with self._reporting:
-                    plan = self.coordinator.report_failure(workers, reason, detected_at=detected_at, me=self.name,
-                                                           spare_timeout=self.config.spare_timeout)
+                    # Its own connection: waits on this one must not delay the lease on the main one.
+                    coordinator = Coordinator(self.kv.clone(), self.world_size)
+                    plan = coordinator.report_failure(workers, reason, detected_at=detected_at, me=self.name,
+                                                      spare_timeout=self.config.spare_timeout)
                 if plan is not None:
                     self.events.write("plan", epoch=plan.epoch, failed=plan.failed, replaced=plan.replaced,
                                       reason=plan.reason, detected_at=plan.detected_at, planned_at=plan.planned_at)
@@ -324,7 +326,16 @@ class Agent:
                              time.time() - (now - seen_at - self.config.lease_timeout))
 
     def _refill(self) -> None:
+        """Keep --spares spares waiting, but not while a recovery runs (a starting
+        Python process would take CPU from it) unless no spare is left at all."""
         waiting = sum(1 for p in self.processes.values() if p.rank is None)
+        if waiting >= self.config.spares:
+            return
+        plan = self.coordinator.latest_plan()
+        recovering = (plan.epoch > 0 and time.time() - plan.planned_at < self.config.spare_timeout
+                      and self.kv.add(f"epoch/{plan.epoch}/marks_done", 0) < self.world_size)
+        if recovering and self.coordinator.ready_spares():
+            return
         for _ in range(self.config.spares - waiting):
             self._spawn_spare()
 

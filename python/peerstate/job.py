@@ -35,6 +35,7 @@ so that a replayed step sees the same data.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -46,7 +47,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from peerstate.coordinator import (Coordinator, MemberReport, RecoveryPlan, node_of_worker, recovery_point,
                                    sources_of)
-from peerstate.errors import InvalidArgumentError, JobFailedError, StateLostError
+from peerstate.errors import AbortedError, InvalidArgumentError, JobFailedError, StateLostError
 from peerstate.kvstore import TorchKeyValueStore
 from peerstate.placement import BuddyPlacement
 from peerstate.process_groups import ProcessGroups
@@ -151,13 +152,13 @@ class RebuildableDDP:
         return [[int(i) for i in bucket.split()] for bucket in data["rebuilt_per_bucket_param_indices"].split(",")]
 
     def release(self) -> None:
-        """Drop the DDP of an aborted group (its reducer's gradient hooks go with it)."""
+        """Drop the DDP of an aborted group. Its reducer's gradient hooks are removed
+        now: the DDP may live on in reference cycles until the next gc, and its
+        hooks must not fire into the aborted group."""
         if self._ddp is not None:
             self.__dict__["_layout"] = self.bucket_layout()
+            self._ddp.reducer._remove_autograd_hooks()
         self.__dict__["_ddp"] = None
-        import gc
-
-        gc.collect()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._ddp(*args, **kwargs)
@@ -259,6 +260,7 @@ class Job:
         self._closed = False
         self.recoveries = 0
         self.watcher = EpochWatcher(self.kv.clone(), plan, self._on_new_epoch)
+        atexit.register(self.close)  # an exception out of the loop still stops the threads in order
         try:
             self._join(plan)
         except _Superseded:
@@ -321,6 +323,7 @@ class Job:
         if self._env.role != "spare":
             self.kv.wait(["epoch/0/plan"], timeout=self.join_timeout)
             return self.coordinator.plan(0), int(os.environ["RANK"])
+        _warm_up()
         self.coordinator.register_spare(self.worker)
         self.events.write("spare_ready")
         key = f"assign/{self.worker}"
@@ -338,7 +341,7 @@ class Job:
     def _on_new_epoch(self, plan: RecoveryPlan) -> None:
         """Watcher thread: make the loop's blocked calls fail now."""
         self._marks = {}
-        self.groups.abort()
+        self.groups.abort(plan.epoch)
         self.replication.abort_transfers()
         self.events.write("epoch_seen", epoch=plan.epoch, rank=self.rank)
 
@@ -378,7 +381,10 @@ class Job:
             self.rank, self.worker, self.snapshots.committed_versions(), self.replication.holdings(),
             self.replication.address, self._needs_state).encode())
         reports = self._gather_reports(plan.epoch)
-        self.groups.form(self.kv.torch_store, plan.epoch, self.rank, self.world_size, self.join_timeout)
+        try:
+            self.groups.form(self.kv.torch_store, plan.epoch, self.rank, self.world_size, self.join_timeout)
+        except AbortedError:
+            raise _Superseded() from None
         self._check_current(plan.epoch)
         self.replication.connect({r: report.address for r, report in reports.items()})
         self._mark("re-form")
@@ -501,7 +507,8 @@ class Job:
             if obj is not None:
                 self.snapshots.register_object(name, obj.state_dict, obj.load_state_dict)
         self.snapshots.register_object("rng", _rng_state, _set_rng_state)
-        self.snapshots.native.allocate()
+        if not self._needs_state:  # a replacement's pull fills its first slot; the rest come on use
+            self.snapshots.allocate()
         nbytes = self.snapshots.memory()["bytes_per_version"]
         self.kv.set(f"bytes/{self.rank}", str(nbytes).encode())
         if not self._needs_state:  # a replacement reserved its replicas when it joined
@@ -638,6 +645,15 @@ def _fault_time(events_path: Optional[str], plan: RecoveryPlan) -> Optional[floa
     faults = [e["time"] for e in read_events(events_path)
               if e["event"] == "fault_injected" and plan.detected_at - 60 < e["time"] <= plan.detected_at]
     return max(faults) if faults else None
+
+
+def _warm_up() -> None:
+    """What a spare does while it waits: import what the first optimizer (torch._dynamo,
+    about a second), DDP and checkpointing import lazily, so a replacement starts warm."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
 
 
 def _rng_state() -> Dict[str, Any]:

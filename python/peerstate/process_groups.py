@@ -15,6 +15,10 @@ Aborting, so that a training loop blocked in a collective fails at once:
   so a reused descriptor number is never touched, and listening sockets are
   left alone (gloo treats a failed accept() as fatal). Groups created later with
   ``new_group`` are not covered.
+- A rendezvous in progress (a member died after it reported): the group is
+  formed through its own store connection, whose socket is shut down the
+  same way, so ``init_process_group`` fails at once instead of waiting out the
+  store's timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import socket
 import threading
 from typing import Optional, Set
 
+from peerstate.errors import AbortedError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
 
 
@@ -47,31 +52,49 @@ class ProcessGroups:
         self.backend = backend
         self.epoch: Optional[int] = None
         self._sockets: Set[str] = set()
+        self._forming: Set[str] = set()   # the rendezvous connection while form() runs
+        self._abort_epoch = -1             # the newest epoch that asked for an abort
         self._lock = threading.Lock()
 
     def form(self, torch_store, epoch: int, rank: int, world_size: int, timeout: float) -> None:
-        """Join the epoch's group (blocks until every rank joins, or ``timeout``)."""
+        """Join the epoch's group (blocks until every rank joins, ``timeout``, or an
+        abort for a newer epoch: then AbortedError)."""
         import torch.distributed as dist
 
         self.destroy()
         before = _socket_inodes()
+        rendezvous = torch_store.clone()
+        with self._lock:
+            if self._abort_epoch > epoch:
+                raise AbortedError(f"epoch {self._abort_epoch} began before the group of epoch {epoch} formed")
+            self._forming = _socket_inodes() - before
         try:
-            dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{epoch}/", torch_store), rank=rank,
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{epoch}/", rendezvous), rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         except Exception as error:  # noqa: BLE001 - torch raises several types for a missed rendezvous
+            with self._lock:
+                self._forming = set()
+                if self._abort_epoch > epoch:
+                    raise AbortedError(f"epoch {self._abort_epoch} began while the group of epoch {epoch} "
+                                       "formed") from None
             raise PeerstateTimeoutError(
-                f"re-forming the process group of epoch {epoch} failed within {timeout:.0f}s: {error}") from None
+                f"forming the process group of epoch {epoch} failed within {timeout:.0f}s: {error}") from None
         with self._lock:
+            self._forming = set()
             self.epoch = epoch
             self._sockets = _socket_inodes() - before if self.backend == "gloo" else set()
 
-    def abort(self) -> None:
-        """Make every collective of this group fail now (thread-safe, idempotent, never blocks long)."""
+    def abort(self, new_epoch: int) -> None:
+        """Make every collective of this group, or its rendezvous, fail now because
+        ``new_epoch`` began (thread-safe, idempotent, never blocks long)."""
         with self._lock:
+            self._abort_epoch = max(self._abort_epoch, new_epoch)
+            if self._forming:
+                _shutdown(self._forming)
             if self.epoch is None:
                 return
             if self.backend == "gloo":
-                self._shutdown_sockets()
+                _shutdown(self._sockets)
                 return
         import torch.distributed as dist
 
@@ -94,18 +117,20 @@ class ProcessGroups:
             except Exception:  # noqa: BLE001 - fall back to the plain teardown
                 dist.destroy_process_group()
 
-    def _shutdown_sockets(self) -> None:
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                if os.readlink(f"/proc/self/fd/{fd}") not in self._sockets:
-                    continue
-                sock = socket.socket(fileno=os.dup(int(fd)))
-            except OSError:
+
+def _shutdown(inodes: Set[str]) -> None:
+    """shutdown(2) the connected sockets among ``inodes`` (listening ones are left alone)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") not in inodes:
                 continue
-            try:
-                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already shut down by the peer
-            finally:
-                sock.close()  # closes the dup only; gloo's descriptor stays valid
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already shut down by the peer
+        finally:
+            sock.close()  # closes the dup only; the owner's descriptor stays valid
