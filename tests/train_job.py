@@ -31,9 +31,9 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 4))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
+job.track(model=model, optimizer=optimizer, scheduler=scheduler)  # a spare waits here for a rank
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
 ddp = job.ddp(model)
-job.track(model=model, optimizer=optimizer, scheduler=scheduler)
 
 for step in job.steps(args.steps):
     with job.guard():

@@ -91,7 +91,7 @@ void bind_replication(py::module_& m) {
            py::kw_only(), py::arg("budget_bytes") = 0, py::arg("device") = -1)
       .def_property_readonly("device", &ReplicaStore::device)
       .def("reserve", [](ReplicaStore& r, int source_rank, size_t bytes_per_version) {
-        raise_if_error(r.reserve(source_rank, bytes_per_version));
+        call_without_gil([&] { return r.reserve(source_rank, bytes_per_version); });  // allocates and faults in
       })
       .def("committed", &ReplicaStore::committed)
       .def("held_bytes", &ReplicaStore::held_bytes)

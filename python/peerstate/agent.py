@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 from peerstate import progress as progress_file
 from peerstate.coordinator import Coordinator, node_of_worker
 from peerstate.errors import InvalidArgumentError, JobFailedError
+from peerstate.inject import Fault, FaultInjector
 from peerstate.kvstore import TorchKeyValueStore
 from peerstate.progress import ProgressCounter
 from peerstate.timeline import EventLog
@@ -54,6 +55,7 @@ class AgentConfig:
     join_timeout: float = 120.0            # how long nodes wait for each other at start
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
+    inject: List[str] = field(default_factory=list)  # fault specs (peerstate.inject)
     extra_env: Dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -102,6 +104,10 @@ class Agent:
         self._leases: Dict[int, tuple] = {}
         self._reporting = threading.Lock()
         self._stopping = False
+        self.injector = FaultInjector(config.inject, world_size=self.world_size, nnodes=config.nnodes,
+                                      node=self.node)
+        self._job_started: Optional[float] = None
+        self._spares_wanted = 0
 
     # -- start ----------------------------------------------------------------------
     def run(self) -> int:
@@ -206,6 +212,8 @@ class Agent:
                 code = process.popen.poll()
                 if code is not None:
                     self._exited(process, code)
+            if self.injector.faults:
+                self._inject()
             now = time.monotonic()
             if now >= next_watch:
                 next_watch = now + WATCH_SECONDS
@@ -234,6 +242,26 @@ class Agent:
             if all(flags[i] or flags[len(nodes) + i] for i in range(len(nodes))):
                 return
             time.sleep(0.02)
+
+    def _inject(self) -> None:
+        workers = {p.rank: p for p in self.processes.values() if p.rank is not None and not p.hung}
+        if self._job_started is None:
+            raw = self.kv.get("job/started")
+            self._job_started = float(raw) if raw else None
+        since = time.time() - self._job_started if self._job_started else None
+        for fault in self.injector.due({r: p.counter.read()[1] for r, p in workers.items()}, since):
+            if self.kv.compare_set(f"inject/{fault.index}", b"", self.name.encode()) != self.name.encode():
+                continue  # injected already, on the node that held the rank then
+            self._fault(fault, workers.get(fault.rank))
+
+    def _fault(self, fault: Fault, victim: Optional[_Process]) -> None:
+        self.events.write("fault_injected", fault=fault.describe(), rank=fault.rank, node=fault.node)
+        print(f"peerstate: injecting {fault.describe()}", file=sys.stderr, flush=True)
+        if fault.kind == "kill-node":  # everything this agent runs, then the agent itself
+            for process in self.processes.values():
+                os.killpg(process.popen.pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.killpg(victim.popen.pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
 
     def _live_workers(self) -> List[_Process]:
         return [p for p in self.processes.values() if p.rank is not None and p.popen.poll() is None]
@@ -327,15 +355,18 @@ class Agent:
 
     def _refill(self) -> None:
         """Keep --spares spares waiting, but not while a recovery runs (a starting
-        Python process would take CPU from it) unless no spare is left at all."""
+        Python process takes a CPU-second or two from it) unless a planner is
+        waiting for a spare."""
         waiting = sum(1 for p in self.processes.values() if p.rank is None)
         if waiting >= self.config.spares:
             return
+        wanted = self.kv.add("spares/wanted", 0)
         plan = self.coordinator.latest_plan()
         recovering = (plan.epoch > 0 and time.time() - plan.planned_at < self.config.spare_timeout
                       and self.kv.add(f"epoch/{plan.epoch}/marks_done", 0) < self.world_size)
-        if recovering and self.coordinator.ready_spares():
+        if recovering and wanted == self._spares_wanted:
             return
+        self._spares_wanted = wanted
         for _ in range(self.config.spares - waiting):
             self._spawn_spare()
 

@@ -23,7 +23,7 @@ def _run(args: argparse.Namespace) -> int:
                          host=args.host, log_dir=args.log_dir, hang_timeout=args.hang_timeout,
                          lease_timeout=args.lease_timeout, spare_timeout=args.spare_timeout,
                          join_timeout=args.join_timeout, checkpoint_dir=args.checkpoint_dir,
-                         checkpoint_every=args.checkpoint_every)
+                         checkpoint_every=args.checkpoint_every, inject=args.inject)
     try:
         agent = Agent(config)
     except Error as error:
@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint-dir", default=None, help="disk checkpoints (torch.distributed.checkpoint), "
                      "the fallback when every copy of a rank's state is lost")
     run.add_argument("--checkpoint-every", type=int, default=0, help="steps between disk checkpoints")
+    run.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                     help="inject a fault, e.g. kill:rank=2:step=10, hang:rank=1:time=30, "
+                          "kill-node:node=1:step=20, random:mtbf=20:seed=7:max=3 (repeatable)")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(handler=_run)

@@ -14,6 +14,7 @@ Keys (all under the store given)::
     node/{i}/dead               set once node i is declared lost
     spares                      "id,id,..." every spare that ever registered
     spare/{id}                  ready | gone | assigned:{epoch}:{rank}
+    spares/wanted               counter a planner bumps when it waits for a spare
     assign/{id}                 the assignment a waiting spare blocks on
     epoch/{e}/owner, /plan      the plan writer of epoch e, and its RecoveryPlan
     epoch/{e}/report/{rank}     what a member holds (see recovery_point)
@@ -224,6 +225,7 @@ class Coordinator:
         (its buddies were chosen to be elsewhere). Waits for the pool to refill."""
         deadline = time.monotonic() + timeout
         replaced: Dict[int, str] = {}
+        asked = False
         for rank in failed:
             home = node_of_worker(current.members[rank])
             while rank not in replaced:
@@ -234,6 +236,9 @@ class Coordinator:
                         replaced[rank] = worker
                         break
                 else:
+                    if not asked:  # agents hold back refills during a recovery unless asked
+                        self.kv.add("spares/wanted", 1)
+                        asked = True
                     if time.monotonic() > deadline:
                         for r, worker in replaced.items():  # give back what was claimed
                             self.kv.compare_set(f"spare/{worker}", f"assigned:{epoch}:{r}".encode(), b"ready")

@@ -2,10 +2,10 @@
 
 The whole integration with a training loop::
 
-    job = peerstate.Job()                       # a hot spare waits here for a rank
+    job = peerstate.Job()
     model = Net(); optimizer = torch.optim.AdamW(model.parameters())
+    job.track(model=model, optimizer=optimizer, scheduler=scheduler)  # a hot spare waits here
     ddp = job.ddp(model)                        # DistributedDataParallel, rebuilt after a recovery
-    job.track(model=model, optimizer=optimizer, scheduler=scheduler)
     for step in job.steps(1000):                # resumes at v+1 after a recovery
         with job.guard():                       # a failure in here becomes a recovery
             loss = loss_fn(ddp(batch(step)))
@@ -27,6 +27,12 @@ report what they hold, agree on the recovery point v (the newest version held
 for every rank), re-form the process group, roll back to v (survivors from
 their own snapshot, the replacement by pulling it from the buddies), rebuild
 DDP and go on at step v+1, bit for bit the run that never failed.
+
+A hot spare runs the same script: ``Job()`` returns at once, the model and
+optimizer are built ahead of time, and ``track()`` registers and allocates
+everything and then waits for a rank (``job.rank`` is None until then), so a
+replacement only has to pull its state. Code before ``track()`` must not
+depend on the rank.
 
 Data is addressed by step: the loop must draw batch ``step`` from the step
 number (or from a loader given to ``track``, whose ``state_dict`` is captured),
@@ -235,32 +241,46 @@ class Job:
         if self.progress:
             self.progress.start_ticking()
 
-        plan, self.rank = self._wait_for_rank()
-        os.environ.update(RANK=str(self.rank), LOCAL_RANK=str(self.rank % env.nproc_per_node),
-                          GROUP_RANK=str(node_of_worker(self.worker)))
+        self._secret = env.secret or bytes.fromhex(self.kv.get("job/secret").decode())
+        self._replica_budget_bytes = replica_budget_bytes
         self.snapshots = SnapshotStore(max_versions=versions, threads=snapshot_threads)
-        self.replication = Replication(self.snapshots, self.rank, self.placement, secret=secret, host=env.host,
-                                       replica_budget_bytes=replica_budget_bytes)
         self.groups = ProcessGroups(self.backend)
+        self.rank: Optional[int] = None  # a spare learns its rank when it is given one
         self.epoch = -1
         self.next_step = 0
+        self.recoveries = 0
         self._registered = False
-        self._needs_state = plan.epoch > 0  # a spare: its state comes from the buddies
-        self._pending_restore: Optional[Tuple[str, Any]] = None  # ("pull", version) or ("checkpoint", path)
+        self._needs_state = env.role == "spare"  # a spare's state comes from the buddies
+        self._pending_restore: Optional[Tuple[str, int, Any]] = None  # ("pull"|"checkpoint", version, where)
         self._pending_replication: Optional[int] = None
         self._tracked: Dict[str, Any] = {}
         self._ddps: List[RebuildableDDP] = []
         self._needs_recovery = False
-        self._in_guard = False
         self._guarded = False
         self._marks: Dict[str, float] = {}
         self._first_step_after: Optional[int] = None
         self._step_seconds: List[float] = []
         self._start_recorded = False
         self._closed = False
-        self.recoveries = 0
-        self.watcher = EpochWatcher(self.kv.clone(), plan, self._on_new_epoch)
+        self._replacement = False
+        self.watcher: Optional[EpochWatcher] = None
+        self.replication: Optional[Replication] = None
         atexit.register(self.close)  # an exception out of the loop still stops the threads in order
+        if env.role != "spare":
+            self.kv.wait(["epoch/0/plan"], timeout=self.join_timeout)
+            self._become_member(self.coordinator.plan(0), int(os.environ["RANK"]))
+        else:
+            _warm_up()
+
+    def _become_member(self, plan: RecoveryPlan, rank: int) -> None:
+        """Take ``rank`` in ``plan``'s epoch (or a newer one) and join it."""
+        self.rank = rank
+        self._replacement = self._needs_state
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % self._env.nproc_per_node),
+                          GROUP_RANK=str(node_of_worker(self.worker)))
+        self.replication = Replication(self.snapshots, rank, self.placement, secret=self._secret,
+                                       host=self._env.host, replica_budget_bytes=self._replica_budget_bytes)
+        self.watcher = EpochWatcher(self.kv.clone(), plan, self._on_new_epoch)
         try:
             self._join(plan)
         except _Superseded:
@@ -271,12 +291,13 @@ class Job:
         """Wrap ``model`` in DistributedDataParallel; the job rebuilds it on every
         re-formed group. A replacement skips DDP's initial broadcast: its state
         arrives from the buddies."""
+        self._wait_for_rank()
         layout = None
-        if self._needs_state:  # survivors publish the layout their DDP settled on
+        if self._replacement:  # the survivors publish the bucket layout their DDP settled on
             key = f"epoch/{self.epoch}/ddp/{len(self._ddps)}"
             self.kv.wait([key], timeout=self.join_timeout)
             layout = json.loads(self.kv.get(key))
-        wrapper = RebuildableDDP(model, init_sync=not self._needs_state, options=options, layout=layout)
+        wrapper = RebuildableDDP(model, init_sync=self.epoch == 0, options=options, layout=layout)
         self._ddps.append(wrapper)
         return wrapper
 
@@ -284,19 +305,24 @@ class Job:
               extras: Optional[Mapping[str, Any]] = None) -> None:
         """Say what the training state is. ``scheduler``, ``loader`` and each of
         ``extras`` need ``state_dict()``/``load_state_dict()``; the RNG states of
-        Python, NumPy, torch and CUDA are always captured. Optimizer state appears
-        at the first step, so registration happens at the first step boundary
-        (a replacement materialises it now and receives its values)."""
+        Python, NumPy, torch and CUDA are always captured.
+
+        Optimizer state appears at the first step, so a worker registers it at the
+        first step boundary. A hot spare runs the script up to here ahead of time:
+        it materialises the optimizer state, registers and allocates everything,
+        and only then waits for a rank, so code before ``track()`` must not depend
+        on the rank. Once given one it pulls the state and returns."""
         self._tracked = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
                          "extras": dict(extras or {})}
-        if self._pending_restore is not None:
+        if self._needs_state:
             if optimizer is not None and not optimizer.state:
                 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
                 _init_optim_state(optimizer)
-            self._register()
+            self._register()  # allocates too: a recovery should not fault memory in
         if optimizer is not None:
             optimizer.register_step_pre_hook(lambda *_: self._start_replication())
+        self._wait_for_rank()
         if self._pending_restore is not None:
             self._restore_pending()
 
@@ -304,7 +330,7 @@ class Job:
         """Yield step numbers from where the job stands to ``total`` - 1, recovering
         between steps when a failure was caught by ``guard``."""
         while True:
-            if self._needs_recovery:
+            if self._needs_recovery or self.watcher.latest.epoch != self.epoch:
                 self._recover()
             if self.next_step >= total:
                 break
@@ -319,11 +345,10 @@ class Job:
         return _Guard(self)
 
     # -- joining an epoch -----------------------------------------------------------
-    def _wait_for_rank(self) -> Tuple[RecoveryPlan, int]:
-        if self._env.role != "spare":
-            self.kv.wait(["epoch/0/plan"], timeout=self.join_timeout)
-            return self.coordinator.plan(0), int(os.environ["RANK"])
-        _warm_up()
+    def _wait_for_rank(self) -> None:
+        """A spare: join the pool and block until a plan gives this process a rank."""
+        if self.rank is not None:
+            return
         self.coordinator.register_spare(self.worker)
         self.events.write("spare_ready")
         key = f"assign/{self.worker}"
@@ -336,7 +361,7 @@ class Job:
                     raise JobFailedError(f"the job stopped while this spare waited: {self.coordinator.failure()}")
         assignment = json.loads(self.kv.get(key))
         self.events.write("spare_assigned", **assignment)
-        return self.coordinator.plan(assignment["epoch"]), assignment["rank"]
+        self._become_member(self.coordinator.plan(assignment["epoch"]), assignment["rank"])
 
     def _on_new_epoch(self, plan: RecoveryPlan) -> None:
         """Watcher thread: make the loop's blocked calls fail now."""
@@ -360,6 +385,7 @@ class Job:
         if plan.members.get(self.rank) != self.worker:
             raise JobFailedError(f"rank {self.rank} was given to {plan.members.get(self.rank)} in epoch "
                                  f"{plan.epoch}: this worker was declared failed")
+        new_member = self._needs_state
         if plan.epoch > 0:
             for wrapper in self._ddps:
                 wrapper.release()
@@ -369,54 +395,74 @@ class Job:
                                         json.dumps(wrapper.bucket_layout()).encode())
             self.groups.destroy()
             self.replication.reset()
-            try:
-                self.snapshots.wait()  # a local copy in flight completes: it may be the recovery point
-            except Exception:  # noqa: BLE001 - a failed version simply is not committed
-                pass
             self._pending_replication = None
             if not self._needs_state:
                 self._mark("abort")
         self.epoch = plan.epoch
+        # The version in flight counts as held: a local copy does not fail short of a
+        # bug, and waiting for it here would put it on every recovery's critical path.
+        # It is waited for below only if it is the recovery point.
+        in_flight = self.snapshots.in_flight_version()
+        local = self.snapshots.committed_versions() + ([in_flight] if in_flight is not None else [])
         self.kv.set(f"epoch/{plan.epoch}/report/{self.rank}", MemberReport(
-            self.rank, self.worker, self.snapshots.committed_versions(), self.replication.holdings(),
-            self.replication.address, self._needs_state).encode())
+            self.rank, self.worker, local, self.replication.holdings(), self.replication.address,
+            self._needs_state).encode())
         reports = self._gather_reports(plan.epoch)
+        self.replication.connect({r: report.address for r, report in reports.items()})
+        restore = None
+        if plan.epoch > 0:
+            version, lost = recovery_point(reports, self.placement)
+            if version is None:
+                restore = self._fall_back_to_checkpoint(plan, lost)
+            else:
+                restore = ("pull", version, sources_of(self.rank, version, reports, self.placement))
+            self.next_step = restore[1] + 1
+            self._first_step_after = self.next_step
+        # Rolling back from memory overlaps the re-forming of the group: both take tens
+        # of milliseconds, and neither needs the other.
+        rolling = None
+        if restore is not None and restore[0] == "pull" and (self._registered or not self._needs_state):
+            rolling = _Background(self._roll_back, restore)
         try:
             self.groups.form(self.kv.torch_store, plan.epoch, self.rank, self.world_size, self.join_timeout)
-        except AbortedError:
+            self._check_current(plan.epoch)
+        except (AbortedError, _Superseded):
+            if rolling is not None:
+                rolling.join(check=False)
             raise _Superseded() from None
-        self._check_current(plan.epoch)
-        self.replication.connect({r: report.address for r, report in reports.items()})
         self._mark("re-form")
         self.events.write("joined", epoch=plan.epoch, rank=self.rank)
         if plan.epoch == 0:
             return
         self.recoveries += 1
-        version, lost = recovery_point(reports, self.placement)
-        if version is None:
-            restore = self._fall_back_to_checkpoint(plan, lost)
-            version = restore[1]
+        if rolling is not None:
+            rolling.join()
+        elif not self._needs_state or self._registered:
+            self._roll_back(restore)
         else:
-            restore = ("pull", version, sources_of(self.rank, version, reports, self.placement))
-        self.next_step = version + 1
-        self._first_step_after = self.next_step
-        if self._needs_state:
-            self._pending_restore = restore
-            served = self.placement.served_by(self.rank)
-            self.kv.wait([f"bytes/{r}" for r in served], timeout=self.join_timeout)
-            self.replication.reserve({r: int(self.kv.get(f"bytes/{r}")) for r in served})
-            if self._registered:  # joined earlier, superseded before its restore
-                self._restore_pending()
+            self._pending_restore = restore  # track() restores once the state is registered
+        if new_member:
+            # Off the critical path: the first push to this holder comes a step later
+            # (if it came sooner, it would fail and the next round would carry it).
+            self._reserve_replicas(background=True)
             return
-        if restore[0] == "checkpoint":
-            self._load_checkpoint(restore[2], version)
-        else:
-            self.snapshots.restore(version)
-        self._mark("restore")
         for wrapper in self._ddps:
             wrapper.rebuild(init_sync=False, layout=wrapper.bucket_layout())
-        if any(reports[h].needs_state for h in self.placement.holders(self.rank)) and restore[0] == "pull":
-            self.replication.replicate(version)  # give the new holder its copy now, not a step later
+
+    def _roll_back(self, restore: Tuple[str, int, Any]) -> None:
+        """Bring the registered state back to the recovery point."""
+        kind, version, where = restore
+        if self._needs_state:
+            self._pending_restore = restore
+            self._restore_pending()
+        elif kind == "checkpoint":
+            self._load_checkpoint(where, version)
+            self._mark("restore")
+        else:
+            if self.snapshots.in_flight_version() == version:
+                self.snapshots.wait()
+            self.snapshots.restore(version)  # cancels a newer version in flight
+            self._mark("restore")
 
     def _gather_reports(self, epoch: int) -> Dict[int, MemberReport]:
         keys = [f"epoch/{epoch}/report/{r}" for r in range(self.world_size)]
@@ -470,10 +516,14 @@ class Job:
 
     # -- step boundaries ------------------------------------------------------------
     def _end_step(self, step: int, seconds: float) -> None:
+        if self._first_step_after == step:
+            self._mark("first step")  # the step itself is done; what follows is bookkeeping
         if self.progress:
             self.progress.set_step(step)
         if not self._registered:
             self._register()
+            self.kv.set(f"bytes/{self.rank}", str(self.snapshots.memory()["bytes_per_version"]).encode())
+            self._reserve_replicas()
         if step % self.snapshot_every == 0:
             self._start_replication()  # no optimizer hook ran (no optimizer tracked)
             self.snapshots.snapshot(step)
@@ -482,7 +532,6 @@ class Job:
             self._save_checkpoint(step)
         if self._first_step_after == step:
             self._first_step_after = None
-            self._mark("first step")
             self._publish_marks()
         else:
             self._step_seconds.append(seconds)
@@ -499,6 +548,7 @@ class Job:
             self.replication.replicate(version)
 
     def _register(self) -> None:
+        """Register the tracked state with the SnapshotStore and allocate its versions."""
         tracked = self._tracked
         register_training_state(self.snapshots, model=tracked.get("model"), optimizer=tracked.get("optimizer"))
         stateful = {"scheduler": tracked.get("scheduler"), "loader": tracked.get("loader"),
@@ -507,15 +557,19 @@ class Job:
             if obj is not None:
                 self.snapshots.register_object(name, obj.state_dict, obj.load_state_dict)
         self.snapshots.register_object("rng", _rng_state, _set_rng_state)
-        if not self._needs_state:  # a replacement's pull fills its first slot; the rest come on use
-            self.snapshots.allocate()
-        nbytes = self.snapshots.memory()["bytes_per_version"]
-        self.kv.set(f"bytes/{self.rank}", str(nbytes).encode())
-        if not self._needs_state:  # a replacement reserved its replicas when it joined
-            served = self.placement.served_by(self.rank)
-            self.kv.wait([f"bytes/{r}" for r in served], timeout=self.join_timeout)
-            self.replication.reserve({r: int(self.kv.get(f"bytes/{r}")) for r in served})
+        self.snapshots.allocate()
         self._registered = True
+
+    def _reserve_replicas(self, background: bool = False) -> None:
+        """Account (and allocate) the replicas of the ranks this rank serves."""
+        served = self.placement.served_by(self.rank)
+        self.kv.wait([f"bytes/{r}" for r in served], timeout=self.join_timeout)
+        sizes = {r: int(self.kv.get(f"bytes/{r}")) for r in served}
+        if background:
+            threading.Thread(target=self.replication.reserve, args=(sizes,), name="peerstate-reserve",
+                             daemon=True).start()
+        else:
+            self.replication.reserve(sizes)
 
     # -- disk checkpoints (the fallback when every copy is lost) --------------------
     def _checkpoint_state(self) -> Dict[str, Any]:
@@ -550,11 +604,11 @@ class Job:
         if self.kv.add(f"epoch/{epoch}/marks_done", 1) != self.world_size:
             return
         plan = self.coordinator.plan(epoch)
-        marks = [json.loads(raw) for raw in self.kv.get_many(
-            [f"epoch/{epoch}/marks/{r}" for r in range(self.world_size)]) if raw]
+        raw = self.kv.get_many([f"epoch/{epoch}/marks/{r}" for r in range(self.world_size)])
+        marks = {r: json.loads(m) for r, m in enumerate(raw) if m}
         fault = _fault_time(self._env.events, plan)
-        timeline = recovery_timeline(plan.__dict__, marks, fault)
-        self.events.write("recovery", **timeline)
+        timeline = recovery_timeline(plan.__dict__, marks.values(), fault)
+        self.events.write("recovery", **timeline, marks=marks, version=self.next_step - 1)
         phases = ", ".join(f"{k} {v:.3f}s" for k, v in timeline["phases_s"].items() if v is not None)
         print(f"peerstate: recovered epoch {epoch} (ranks {plan.failed}) in {timeline['total_s']:.2f}s "
               f"from {timeline['from']}: {phases}", file=sys.stderr, flush=True)
@@ -578,8 +632,10 @@ class Job:
         if self._closed:
             return
         self._closed = True
-        self.watcher.stop()
-        self.replication.close()
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.replication is not None:
+            self.replication.close()
         for wrapper in self._ddps:
             wrapper.release()
         self.groups.destroy()
@@ -592,6 +648,27 @@ class Job:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Background(threading.Thread):
+    """Runs ``fn(*args)`` on a thread; ``join()`` re-raises what it raised."""
+
+    def __init__(self, fn: Callable[..., None], *args: Any) -> None:
+        super().__init__(name="peerstate-roll-back", daemon=True)
+        self._fn, self._args = fn, args
+        self._error: Optional[BaseException] = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._fn(*self._args)
+        except BaseException as error:  # noqa: BLE001 - handed to join()
+            self._error = error
+
+    def join(self, timeout: Optional[float] = None, check: bool = True) -> None:  # type: ignore[override]
+        super().join(timeout)
+        if check and self._error is not None:
+            raise self._error
 
 
 class _Guard:

@@ -21,9 +21,9 @@ SIZE = struct.calcsize(_FORMAT)
 
 
 def create(path: str) -> None:
-    """Create a zeroed counter file (agent side)."""
+    """Create a counter file (agent side): no heartbeat yet, no step finished."""
     with open(path, "wb") as f:
-        f.write(bytes(SIZE))
+        f.write(struct.pack(_FORMAT, 0, -1))
 
 
 class ProgressCounter:

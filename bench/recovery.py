@@ -1,0 +1,194 @@
+"""Recovery benchmark: from `kill -9` of a worker to the job's first completed step.
+
+Two ways of recovering the same job (4 workers, DDP over gloo, ``--state-mib``
+of state per rank; bench/recovery_job.py), measured in the same run:
+
+- peerstate: 2 simulated nodes x 2 workers + 1 hot spare under `peerstate run`;
+  the agent kills rank 2 after step K (``--inject``); the spare takes its place
+  and pulls its state from its buddy, the survivors roll back in place. The
+  phases come from the job's recovery timeline (events.jsonl).
+- restart (the classic way, as torchrun's elastic agent does it): the bench
+  sees the death with waitpid, stops every other worker, starts all 4 again,
+  and each loads its torch.save checkpoint from local disk (still in the page
+  cache: the most favourable case for the baseline).
+
+Run: python bench/recovery.py [--quick] [--state-mib 256] [--repeat 3]
+Writes bench/results/recovery.json: rows with phase, ours_s, baseline_s, speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+JOB = HERE / "recovery_job.py"
+RESULTS = HERE / "results" / "recovery.json"
+OUR_PHASES = ("detect", "abort", "re-form", "transfer", "restore", "first step")
+BASELINE_PHASES = ("detect", "stop", "restart", "load", "first step")
+
+
+def _wait(predicate, what, timeout, processes=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if processes and all(p.poll() is not None for p in processes):
+            raise RuntimeError(f"the job ended while waiting for {what}")
+        time.sleep(0.005)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def _kill(processes):
+    for p in processes:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float) -> dict:
+    logs = work / "peerstate"
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--log-dir", str(logs),
+              "--inject", f"kill:rank=2:step={kill_step}"]
+    script = [str(JOB), "--mode", "peerstate", "--state-mib", str(state_mib), "--steps", str(steps)]
+    agents = []
+    try:
+        err0 = open(work / "agent0.err", "wb")
+        agents.append(subprocess.Popen([sys.executable, "-m", "peerstate", "run", "--node-rank", "0", "--store",
+                                        "127.0.0.1:0", "--spares", "1", *common, *script], stdout=err0,
+                                       stderr=subprocess.STDOUT, start_new_session=True))
+        store = _wait(lambda: re.search(r"store at (\S+)", (work / "agent0.err").read_text()), "the store",
+                      timeout, agents).group(1)
+        err1 = open(work / "agent1.err", "wb")
+        agents.append(subprocess.Popen([sys.executable, "-m", "peerstate", "run", "--node-rank", "1", "--store",
+                                        store, "--spares", "0", *common, *script], stdout=err1,
+                                       stderr=subprocess.STDOUT, start_new_session=True))
+        codes = [a.wait(timeout=timeout) for a in agents]
+        if codes != [0, 0]:
+            raise RuntimeError(f"the peerstate job failed ({codes}):\n{(work / 'agent0.err').read_text()[-2000:]}")
+    finally:
+        _kill(agents)
+    events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
+    [recovery] = [e for e in events if e["event"] == "recovery"]
+    return {"phases": recovery["phases_s"], "total_s": recovery["total_s"], "from": recovery["from"]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_workers(work: Path, generation: int, script: list) -> list:
+    port = _free_port()
+    processes = []
+    for rank in range(4):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), TORCH_CPP_LOG_LEVEL="ERROR")
+        log = open(work / f"restart{generation}.rank{rank}.log", "wb")
+        processes.append(subprocess.Popen([sys.executable, *script], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    return processes
+
+
+def _times(work: Path, generation: int, pattern: str) -> list:
+    found = []
+    for rank in range(4):
+        text = (work / f"restart{generation}.rank{rank}.log").read_text()
+        found.append([float(t) for t in re.findall(pattern, text, re.M)])
+    return found
+
+
+def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float) -> dict:
+    checkpoints = work / "checkpoints"
+    checkpoints.mkdir()
+    script = [str(JOB), "--mode", "restart", "--state-mib", str(state_mib), "--steps", str(steps),
+              "--checkpoint-dir", str(checkpoints)]
+    first = _start_workers(work, 0, script)
+    second = []
+    try:
+        _wait(lambda: any(int(s) >= kill_step for s in re.findall(
+            r"^step (\d+)", (work / "restart0.rank2.log").read_text(), re.M)), f"step {kill_step}", timeout, first)
+        killed_at = time.time()
+        os.killpg(first[2].pid, signal.SIGKILL)
+        while first[2].poll() is None:  # waitpid, as an agent would
+            time.sleep(0.001)
+        detected_at = time.time()
+        _kill(first)
+        stopped_at = time.time()
+        second = _start_workers(work, 1, script + ["--resume"])
+        _wait(lambda: all(t for t in _times(work, 1, r"^step \d+ (\S+)")), "the first step after restart",
+              timeout, second)
+        started = max(t[0] for t in _times(work, 1, r"^started (\S+)"))
+        loaded = max(t[0] for t in _times(work, 1, r"^loaded (\S+)"))
+        first_step = max(t[0] for t in _times(work, 1, r"^step \d+ (\S+)"))
+        resumed_from = int(re.search(r"^step (\d+)", (work / "restart1.rank0.log").read_text(), re.M).group(1))
+    finally:
+        _kill(first + second)
+    phases = {"detect": detected_at - killed_at, "stop": stopped_at - detected_at, "restart": started - stopped_at,
+              "load": loaded - started, "first step": first_step - loaded}
+    return {"phases": phases, "total_s": first_step - killed_at, "resumed_at_step": resumed_from}
+
+
+def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: float = 300.0) -> list:
+    repeat = repeat or (1 if quick else 3)
+    steps, kill_step = 60, 25
+    ours, baseline = [], []
+    for index in range(repeat):
+        with tempfile.TemporaryDirectory(prefix="peerstate-recovery-") as tmp:
+            work = Path(tmp)
+            (work / "ours").mkdir()
+            (work / "base").mkdir()
+            ours.append(peerstate_recovery(work / "ours", state_mib, steps, kill_step, timeout))
+            baseline.append(restart_recovery(work / "base", state_mib, steps, kill_step, timeout))
+        print(f"  run {index + 1}/{repeat}: peerstate {ours[-1]['total_s']:.3f}s, "
+              f"restart {baseline[-1]['total_s']:.3f}s", flush=True)
+    median = statistics.median
+    rows = [{"phase": p, "ours_s": median(r["phases"][p] for r in ours), "baseline_s": None, "speedup": None}
+            for p in OUR_PHASES]
+    rows += [{"phase": f"baseline {p}", "ours_s": None, "baseline_s": median(r["phases"][p] for r in baseline),
+              "speedup": None} for p in BASELINE_PHASES]
+    ours_total = median(r["total_s"] for r in ours)
+    base_total = median(r["total_s"] for r in baseline)
+    rows.append({"phase": "kill to first step", "ours_s": ours_total, "baseline_s": base_total,
+                 "speedup": base_total / ours_total})
+    for row in rows:
+        row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat)
+    return rows
+
+
+def print_table(rows: list) -> None:
+    print(f"{'phase':<28}{'peerstate s':>13}{'restart s':>12}{'speedup':>10}")
+    for row in rows:
+        cells = [f"{row[k]:.3f}" if row[k] is not None else "" for k in ("ours_s", "baseline_s")]
+        speedup = f"{row['speedup']:.1f}x" if row["speedup"] else ""
+        print(f"{row['phase']:<28}{cells[0]:>13}{cells[1]:>12}{speedup:>10}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one run of each (under two minutes)")
+    parser.add_argument("--state-mib", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=0, help="runs of each (default 3, 1 with --quick)")
+    args = parser.parse_args()
+    print(f"recovery of 4 workers + 1 spare, {args.state_mib} MiB of state per rank, kill -9 of rank 2")
+    rows = run(args.quick, args.state_mib, args.repeat)
+    print_table(rows)
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"benchmark": "recovery", "time": time.time(), "rows": rows}, indent=1))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
