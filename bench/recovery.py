@@ -23,91 +23,49 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from peerstate.local import LocalJob, kill_all, start_plain_workers
+
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "recovery_job.py"
 RESULTS = HERE / "results" / "recovery.json"
-OUR_PHASES = ("detect", "abort", "re-form", "transfer", "restore", "first step")
+OUR_PHASES = ("detect", "plan", "abort", "re-form", "transfer", "restore", "first step")
 BASELINE_PHASES = ("detect", "stop", "restart", "load", "first step")
 
 
-def _wait(predicate, what, timeout, processes=()):
+def _wait(predicate, what, timeout, processes):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        if processes and all(p.poll() is not None for p in processes):
+        if all(p.poll() is not None for p in processes):
             raise RuntimeError(f"the job ended while waiting for {what}")
         time.sleep(0.005)
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def _kill(processes):
-    for p in processes:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-
-
 def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float) -> dict:
-    logs = work / "peerstate"
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--log-dir", str(logs),
-              "--inject", f"kill:rank=2:step={kill_step}"]
-    script = [str(JOB), "--mode", "peerstate", "--state-mib", str(state_mib), "--steps", str(steps)]
-    agents = []
+    job = LocalJob(work, [(2, 1), (2, 0)],
+                   [str(JOB), "--mode", "peerstate", "--state-mib", str(state_mib), "--steps", str(steps)],
+                   agent_args=["--inject", f"kill:rank=2:step={kill_step}"])
     try:
-        err0 = open(work / "agent0.err", "wb")
-        agents.append(subprocess.Popen([sys.executable, "-m", "peerstate", "run", "--node-rank", "0", "--store",
-                                        "127.0.0.1:0", "--spares", "1", *common, *script], stdout=err0,
-                                       stderr=subprocess.STDOUT, start_new_session=True))
-        store = _wait(lambda: re.search(r"store at (\S+)", (work / "agent0.err").read_text()), "the store",
-                      timeout, agents).group(1)
-        err1 = open(work / "agent1.err", "wb")
-        agents.append(subprocess.Popen([sys.executable, "-m", "peerstate", "run", "--node-rank", "1", "--store",
-                                        store, "--spares", "0", *common, *script], stdout=err1,
-                                       stderr=subprocess.STDOUT, start_new_session=True))
-        codes = [a.wait(timeout=timeout) for a in agents]
+        codes = job.wait(timeout)
         if codes != [0, 0]:
-            raise RuntimeError(f"the peerstate job failed ({codes}):\n{(work / 'agent0.err').read_text()[-2000:]}")
+            raise RuntimeError(f"the peerstate job failed ({codes}):\n{job.agent_logs[0].read_text()[-2000:]}")
+        [recovery] = job.events("recovery")
     finally:
-        _kill(agents)
-    events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
-    [recovery] = [e for e in events if e["event"] == "recovery"]
+        job.close()
     return {"phases": recovery["phases_s"], "total_s": recovery["total_s"], "from": recovery["from"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_workers(work: Path, generation: int, script: list) -> list:
-    port = _free_port()
-    processes = []
-    for rank in range(4):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), TORCH_CPP_LOG_LEVEL="ERROR")
-        log = open(work / f"restart{generation}.rank{rank}.log", "wb")
-        processes.append(subprocess.Popen([sys.executable, *script], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    return processes
-
-
 def _times(work: Path, generation: int, pattern: str) -> list:
-    found = []
-    for rank in range(4):
-        text = (work / f"restart{generation}.rank{rank}.log").read_text()
-        found.append([float(t) for t in re.findall(pattern, text, re.M)])
-    return found
+    return [[float(t) for t in re.findall(pattern, (work / f"restart{generation}.rank{rank}.log").read_text(), re.M)]
+            for rank in range(4)]
 
 
 def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float) -> dict:
@@ -115,7 +73,7 @@ def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, tim
     checkpoints.mkdir()
     script = [str(JOB), "--mode", "restart", "--state-mib", str(state_mib), "--steps", str(steps),
               "--checkpoint-dir", str(checkpoints)]
-    first = _start_workers(work, 0, script)
+    first = start_plain_workers(script, 4, work / "restart0")
     second = []
     try:
         _wait(lambda: any(int(s) >= kill_step for s in re.findall(
@@ -125,20 +83,19 @@ def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, tim
         while first[2].poll() is None:  # waitpid, as an agent would
             time.sleep(0.001)
         detected_at = time.time()
-        _kill(first)
+        kill_all(first)
         stopped_at = time.time()
-        second = _start_workers(work, 1, script + ["--resume"])
+        second = start_plain_workers(script + ["--resume"], 4, work / "restart1")
         _wait(lambda: all(t for t in _times(work, 1, r"^step \d+ (\S+)")), "the first step after restart",
               timeout, second)
         started = max(t[0] for t in _times(work, 1, r"^started (\S+)"))
         loaded = max(t[0] for t in _times(work, 1, r"^loaded (\S+)"))
         first_step = max(t[0] for t in _times(work, 1, r"^step \d+ (\S+)"))
-        resumed_from = int(re.search(r"^step (\d+)", (work / "restart1.rank0.log").read_text(), re.M).group(1))
     finally:
-        _kill(first + second)
+        kill_all(first + second)
     phases = {"detect": detected_at - killed_at, "stop": stopped_at - detected_at, "restart": started - stopped_at,
               "load": loaded - started, "first step": first_step - loaded}
-    return {"phases": phases, "total_s": first_step - killed_at, "resumed_at_step": resumed_from}
+    return {"phases": phases, "total_s": first_step - killed_at}
 
 
 def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: float = 300.0) -> list:

@@ -105,17 +105,27 @@ PLACEMENT_4 = dict(node_of_rank=[0, 0, 1, 1], k=1)  # buddies: 0<->2, 1<->3
 
 def test_recovery_point_is_the_newest_version_held_for_every_rank():
     placement = BuddyPlacement(**PLACEMENT_4)
-    reports = {0: report(0, [9, 10], {2: 9}), 1: report(1, [9, 10], {3: 10}),
-               2: report(2, needs_state=True), 3: report(3, [9, 10], {1: 10})}
+    reports = {0: report(0, [9, 10], {2: [9]}), 1: report(1, [9, 10], {3: [10, 9]}),
+               2: report(2, needs_state=True), 3: report(3, [9, 10], {1: [10, 9]})}
     # rank 2's replica on rank 0 is one step behind (its round of 10 had not landed)
     assert recovery_point(reports, placement) == (9, {})
     assert sources_of(2, 9, reports, placement) == [0]
 
 
+def test_a_lost_node_recovers_to_the_version_both_its_ranks_still_have():
+    # node 1 (ranks 2 and 3) dies while rank 2's round of 11 is landing on rank 0 and
+    # rank 3's has landed on rank 1: rank 1 still holds rank 3's 10 beside its 11
+    placement = BuddyPlacement(**PLACEMENT_4)
+    reports = {0: report(0, [10, 11], {2: [10]}), 1: report(1, [10, 11], {3: [11, 10]}),
+               2: report(2, needs_state=True), 3: report(3, needs_state=True)}
+    assert recovery_point(reports, placement) == (10, {})
+    assert sources_of(3, 10, reports, placement) == [1]
+
+
 def test_recovery_point_names_the_lost_shards():
     placement = BuddyPlacement(**PLACEMENT_4)
-    reports = {0: report(0, needs_state=True), 1: report(1, [5], {3: 5}),
-               2: report(2, needs_state=True), 3: report(3, [5], {1: 5})}
+    reports = {0: report(0, needs_state=True), 1: report(1, [5], {3: [5]}),
+               2: report(2, needs_state=True), 3: report(3, [5], {1: [5]})}
     version, lost = recovery_point(reports, placement)
     assert version is None
     assert lost[0] == "shard of rank 0 has no surviving copy (its holders [2] were lost too)"
@@ -131,20 +141,22 @@ def test_recovery_point_from_a_replica_group_peer():
 
 def test_no_common_version_is_reported():
     placement = BuddyPlacement(**PLACEMENT_4)
-    reports = {0: report(0, [3, 4], {2: 2}), 1: report(1, [3, 4]), 2: report(2, needs_state=True),
+    reports = {0: report(0, [3, 4], {2: [2]}), 1: report(1, [3, 4]), 2: report(2, needs_state=True),
                3: report(3, [3, 4])}
     assert recovery_point(reports, placement) == (
         None, {-1: "no version is held for every rank at once (the copies are of different steps)"})
 
 
 def test_timeline_phases_add_up_to_the_recovery():
-    plan = {"epoch": 1, "failed": [2], "replaced": {2: "n0.2"}, "reason": "killed", "detected_at": 100.0}
+    plan = {"epoch": 1, "failed": [2], "replaced": {2: "n0.2"}, "reason": "killed", "detected_at": 100.0,
+            "planned_at": 100.05}
     marks = [{"abort": 100.2, "re-form": 100.5, "restore": 100.6, "first step": 101.0},
              {"abort": 100.3, "re-form": 100.4, "transfer": 100.9, "restore": 100.95, "first step": 101.1}]
     timeline = recovery_timeline(plan, marks, fault_time=99.9)
     phases = timeline["phases_s"]
     assert phases["detect"] == pytest.approx(0.1)
-    assert phases["abort"] == pytest.approx(0.3) and phases["re-form"] == pytest.approx(0.2)
+    assert phases["plan"] == pytest.approx(0.05) and phases["abort"] == pytest.approx(0.25)
+    assert phases["re-form"] == pytest.approx(0.2)
     assert phases["transfer"] == pytest.approx(0.4) and phases["restore"] == pytest.approx(0.05)
     assert phases["first step"] == pytest.approx(0.15)
     assert timeline["total_s"] == pytest.approx(sum(phases.values()))

@@ -61,7 +61,7 @@ def test_kill_one_worker_recovers_bitwise(run, reference):
     assert_bitwise(job, reference)
     [recovery] = recoveries(job)
     assert recovery["failed"] == [2] and recovery["from"] == "fault"
-    assert set(recovery["phases_s"]) == {"detect", "abort", "re-form", "transfer", "restore", "first step"}
+    assert set(recovery["phases_s"]) == {"detect", "plan", "abort", "re-form", "transfer", "restore", "first step"}
     assert all(v is not None and v >= 0 for v in recovery["phases_s"].values())
     [end] = job.events("job_end")
     assert end["steps"] == STEPS and 0 < end["goodput"] <= 1

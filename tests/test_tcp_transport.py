@@ -341,3 +341,23 @@ def test_unreachable_peer_is_a_connection_error():
         transport.add_peer(1, "127.0.0.1", port)
         with pytest.raises(peerstate.PeerConnectionError, match="cannot connect"):
             transport.describe(1, 0, -1)
+
+
+def test_the_version_before_the_newest_stays_readable_until_its_memory_is_reused(rig):
+    replicator = _C.Replicator(rig.source_store.native, rig.transport, 0)
+    for tensor in rig.source_state.values():
+        tensor.add_(1)
+    rig.source_store.snapshot(2).wait()
+    replicator.replicate(2, [1])
+    assert replicator.wait(2) == [(1, None)]
+    assert rig.replicas.committed() == [(0, 2), (0, 1)]
+    assert rig.transport.describe(1, 0, 1)["version"] == 1  # still served
+    assert rig.transport.describe(1, 0, 2)["version"] == 2
+    for tensor in rig.source_state.values():
+        tensor.add_(1)
+    rig.source_store.snapshot(3).wait()
+    replicator.replicate(3, [1])
+    assert replicator.wait(3) == [(1, None)]
+    assert rig.replicas.committed() == [(0, 3), (0, 2)]  # version 1's memory now holds 3
+    with pytest.raises(peerstate.NotFoundError, match="version 1 of rank 0 is not committed here"):
+        rig.transport.describe(1, 0, 1)

@@ -94,6 +94,7 @@ Status ReplicaStore::begin(const VersionMeta& meta) {
   if (incoming->region.size() < meta.layout->region_bytes || incoming->region.data() == nullptr)
     PEERSTATE_RETURN_IF_ERROR(incoming->region.allocate(meta.layout->region_bytes));
   incoming->meta = meta;
+  incoming->complete = false;
   incoming->arrived.assign(meta.layout->chunks.size(), 0);
   incoming->arrived_count = 0;
   incoming->failure.clear();
@@ -165,6 +166,7 @@ Status ReplicaStore::commit(int source_rank, int64_t version, Deadline deadline)
                                             std::to_string(incoming->arrived.size()) + " chunks arrived");
   if (it->second.committed) it->second.spare = std::move(it->second.committed);  // serves a later version
   it->second.incoming.reset();
+  incoming->complete = true;
   it->second.committed = std::move(incoming);
   return Status::Ok();
 }
@@ -174,19 +176,27 @@ Status ReplicaStore::get(int source_rank, int64_t version, std::shared_ptr<const
   auto it = sources_.find(source_rank);
   if (it == sources_.end() || !it->second.committed)
     return Status(StatusCode::kNotFound, "no committed version of rank " + std::to_string(source_rank) + " here");
-  if (version >= 0 && it->second.committed->meta.version != version)
-    return Status(StatusCode::kNotFound, "version " + std::to_string(version) + " of rank " +
-                                             std::to_string(source_rank) + " is not committed here (committed: " +
-                                             std::to_string(it->second.committed->meta.version) + ")");
-  *out = it->second.committed;
-  return Status::Ok();
+  const Source& source = it->second;
+  if (version < 0 || source.committed->meta.version == version) {
+    *out = source.committed;
+    return Status::Ok();
+  }
+  if (source.spare && source.spare->complete && source.spare->meta.version == version) {
+    *out = source.spare;
+    return Status::Ok();
+  }
+  return Status(StatusCode::kNotFound, "version " + std::to_string(version) + " of rank " +
+                                           std::to_string(source_rank) + " is not committed here (committed: " +
+                                           std::to_string(source.committed->meta.version) + ")");
 }
 
 std::vector<std::pair<int, int64_t>> ReplicaStore::committed() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::pair<int, int64_t>> out;
-  for (const auto& [rank, source] : sources_)
+  for (const auto& [rank, source] : sources_) {
     if (source.committed) out.emplace_back(rank, source.committed->meta.version);
+    if (source.spare && source.spare->complete) out.emplace_back(rank, source.spare->meta.version);
+  }
   return out;
 }
 

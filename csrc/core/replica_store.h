@@ -1,7 +1,8 @@
 // ReplicaStore: the buddies' snapshots that this rank holds for them.
 //
 // For each source rank it serves, a holder keeps the last committed version
-// and at most one incoming version. An incoming version becomes visible only
+// and at most one incoming version; the version committed before the last stays
+// readable until an incoming version needs its region. An incoming version becomes visible only
 // when every chunk arrived and matched its CRC32C; until then readers see the
 // previous committed version, and a partial version is simply discarded when
 // the next one begins (e.g. after its sender died).
@@ -62,6 +63,7 @@ struct ReplicaVersion {
   std::vector<uint8_t> arrived;  // per chunk: 0 missing, 1 verified
   size_t arrived_count = 0;
   std::string failure;           // first chunk that failed verification
+  bool complete = false;         // committed once, and not reused for a newer version since
 };
 
 class ReplicaStore {
@@ -94,9 +96,12 @@ class ReplicaStore {
   // committed one. kTimeout, or kChecksumMismatch when a chunk failed.
   Status commit(int source_rank, int64_t version, Deadline deadline);
 
-  // The committed version of `source_rank` (`version` -1: whatever is committed).
+  // A committed version of `source_rank`: the newest, or the one before it while
+  // its region has not been reused for an incoming version (`version` -1: the newest).
   Status get(int source_rank, int64_t version, std::shared_ptr<const ReplicaVersion>* out) const;
-  // (source rank, committed version) for every source with one.
+  // (source rank, version) for every committed version held, newest first per source:
+  // after a failure, holders of different sources may be one round apart, and the
+  // recovery point must be a version every source still has.
   std::vector<std::pair<int, int64_t>> committed() const;
   size_t held_bytes() const;
   size_t reserved_bytes() const;
@@ -115,7 +120,8 @@ class ReplicaStore {
     size_t reserved_per_version = 0;
     std::shared_ptr<ReplicaVersion> committed;
     std::shared_ptr<ReplicaVersion> incoming;
-    std::shared_ptr<ReplicaVersion> spare;  // an allocated region waiting for the next version
+    std::shared_ptr<ReplicaVersion> spare;  // the region for the next version; until then it may still
+                                            // hold the previous committed version (complete)
   };
 
   const size_t budget_;

@@ -33,6 +33,31 @@ def _run(args: argparse.Namespace) -> int:
     return agent.run()
 
 
+def _goodput(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from peerstate import goodput
+
+    fields = goodput.GoodputInputs.__dataclass_fields__
+    overrides = {name: getattr(args, name) for name in fields}
+    results = Path(args.results)
+    inputs = goodput.inputs_from_results(results, **overrides)
+    if not (results / "recovery.json").exists():
+        print(f"note: {results}/recovery.json not found: peerstate's recovery time is the default "
+              f"{inputs.peerstate_recovery_s}s (run bench/recovery.py, or pass --peerstate-recovery-s)")
+    rows = goodput.table(inputs, args.sizes, args.monte_carlo, args.seed)
+    goodput.print_table(inputs, rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"inputs": goodput.as_dict(inputs), "rows": rows}, indent=1))
+    if args.png:
+        if goodput.plot(inputs, Path(args.png)):
+            print(f"wrote {args.png}")
+        else:
+            print("no plot: matplotlib is not installed (pip install 'peerstate[demo]')")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="peerstate", description="Checkpointless training for PyTorch.")
     commands = top.add_subparsers(dest="command", required=True)
@@ -62,10 +87,38 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(handler=_run)
+
+    from peerstate.goodput import DEFAULT_SIZES, GoodputInputs
+
+    model = commands.add_parser(
+        "goodput", help="expected goodput vs cluster size: checkpoint-restart, in-memory restart, peerstate",
+        description="The goodput model (formulas and sources: peerstate/goodput.py and the README). "
+                    "peerstate's overhead and recovery time are read from the benchmark results.")
+    model.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="accelerator counts")
+    model.add_argument("--results", default="bench/results", help="where overhead.json and recovery.json are")
+    model.add_argument("--monte-carlo", type=float, default=0.0, metavar="DAYS",
+                       help="also simulate DAYS of training per size and count buddy losses")
+    model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--png", default=None, help="draw goodput vs cluster size here")
+    model.add_argument("--json", default=None, help="write the table here")
+    for name, spec in GoodputInputs.__dataclass_fields__.items():
+        kind = int if spec.type in ("int", int) else float
+        model.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
+                           help=f"default {spec.default}")
+    model.set_defaults(handler=_goodput)
+
+    demo = commands.add_parser("demo", add_help=False,
+                               help="train a small GPT, kill ranks and a node, recover, report (CPU, minutes)")
+    demo.set_defaults(handler=None)
     return top
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # the demo parses its own flags
+        from peerstate.demo import main as demo
+
+        return demo(argv[1:])
     args = parser().parse_args(argv)
     return args.handler(args)
 

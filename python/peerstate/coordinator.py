@@ -70,7 +70,7 @@ class MemberReport:
     rank: int
     worker: str
     local: List[int]                 # versions committed in its own SnapshotStore
-    replicas: Dict[int, int]         # source rank -> version of the replica it holds
+    replicas: Dict[int, List[int]]   # source rank -> the versions of its replica held here
     address: Tuple[str, int]         # its replication server
     needs_state: bool = False        # new in this epoch, or joined earlier and not restored yet
 
@@ -80,7 +80,7 @@ class MemberReport:
     @classmethod
     def decode(cls, raw: bytes) -> "MemberReport":
         data = json.loads(raw)
-        data["replicas"] = {int(s): v for s, v in data["replicas"].items()}
+        data["replicas"] = {int(s): list(v) for s, v in data["replicas"].items()}
         data["address"] = tuple(data["address"])
         return cls(**data)
 
@@ -103,8 +103,8 @@ def recovery_point(reports: Mapping[int, MemberReport],
                 held = reports[source]
                 if source in placement.replica_group(rank):
                     available.update(held.local)
-                elif rank in held.replicas:
-                    available.add(held.replicas[rank])
+                else:
+                    available.update(held.replicas.get(rank, []))
             if not available:
                 gone = [s for s in placement.sources(rank) if reports[s].needs_state]
                 lost[rank] = (f"shard of rank {rank} has no surviving copy (its holders {gone} were lost too)"
@@ -125,7 +125,7 @@ def sources_of(rank: int, version: int, reports: Mapping[int, MemberReport],
     """The members that hold ``rank``'s ``version`` (where a replacement pulls from)."""
     group = placement.replica_group(rank)
     return [s for s in placement.sources(rank)
-            if (s in group and version in reports[s].local) or reports[s].replicas.get(rank) == version]
+            if (s in group and version in reports[s].local) or version in reports[s].replicas.get(rank, [])]
 
 
 class Coordinator:

@@ -405,7 +405,7 @@ class Job:
         in_flight = self.snapshots.in_flight_version()
         local = self.snapshots.committed_versions() + ([in_flight] if in_flight is not None else [])
         self.kv.set(f"epoch/{plan.epoch}/report/{self.rank}", MemberReport(
-            self.rank, self.worker, local, self.replication.holdings(), self.replication.address,
+            self.rank, self.worker, local, self.replication.held_versions(), self.replication.address,
             self._needs_state).encode())
         reports = self._gather_reports(plan.epoch)
         self.replication.connect({r: report.address for r, report in reports.items()})
@@ -478,6 +478,20 @@ class Job:
                     raise JobFailedError(f"ranks {missing} did not join epoch {epoch} within "
                                          f"{self.join_timeout:.0f}s") from None
         return {r: MemberReport.decode(raw) for r, raw in enumerate(self.kv.get_many(keys))}
+
+    def _failure_declared(self, epoch: int) -> bool:
+        """After an error in the loop: wait for the coordinator to declare a failure
+        (a plan for a newer epoch). Up to ``failure_grace`` seconds, and for as long
+        as a plan is being written (its writer may be waiting for a spare)."""
+        if self.watcher.wait_newer(epoch, self.failure_grace):
+            return True
+        deadline = time.monotonic() + self.join_timeout
+        while self.kv.get(f"epoch/{epoch + 1}/owner") is not None and time.monotonic() < deadline:
+            if self.watcher.wait_newer(epoch, 1.0):
+                return True
+            if self.coordinator.failure():
+                return False
+        return False
 
     def _check_current(self, epoch: int) -> None:
         if self.watcher.latest.epoch > epoch:
@@ -689,12 +703,12 @@ class _Guard:
                 job.next_step = step + 1
                 return False
             except Exception:  # noqa: BLE001 - a failure during the boundary is a failure too
-                if job.watcher.latest.epoch == epoch and not job.watcher.wait_newer(epoch, job.failure_grace):
+                if not job._failure_declared(epoch):
                     raise
         elif exc_type is not None:
             if not issubclass(exc_type, Exception):
                 return False  # KeyboardInterrupt, SystemExit
-            if job.watcher.latest.epoch == epoch and not job.watcher.wait_newer(epoch, job.failure_grace):
+            if not job._failure_declared(epoch):
                 return False  # no failure was declared: a genuine error in the loop
         job.events.write("step_interrupted", step=step, epoch=epoch,
                          error=f"{exc_type.__name__}: {str(exc)[:200]}" if exc_type else None)

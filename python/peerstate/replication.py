@@ -142,8 +142,19 @@ class Replication:
         return pulled
 
     def holdings(self) -> Dict[int, int]:
-        """source rank -> version committed here."""
-        return dict(self.replicas.committed())
+        """source rank -> the newest version committed here."""
+        newest: Dict[int, int] = {}
+        for source, version in self.replicas.committed():
+            newest[source] = max(version, newest.get(source, version))
+        return newest
+
+    def held_versions(self) -> Dict[int, List[int]]:
+        """source rank -> every version readable here: the newest, and the one before
+        it until an incoming version reuses its memory."""
+        held: Dict[int, List[int]] = {}
+        for source, version in self.replicas.committed():
+            held.setdefault(source, []).append(version)
+        return held
 
     def close(self) -> None:
         """Stop serving, abort transfers, wait for the round in flight."""

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any, Dict, Iterable, List, Optional
 
-PHASES = ("detect", "abort", "re-form", "transfer", "restore", "first step")
+PHASES = ("detect", "plan", "abort", "re-form", "transfer", "restore", "first step")
 
 
 class EventLog:
@@ -47,13 +47,14 @@ def recovery_timeline(plan: Dict[str, Any], marks: Iterable[Dict[str, float]],
     ``transfer`` (replacements only), ``restore`` and ``first step``. A phase ends
     when its last member finishes it; phases are the gaps between those ends, so
     they add up to the whole recovery. ``detect`` runs from the fault (when the
-    injector recorded it) to the agent seeing it.
+    injector recorded it) to the agent seeing it; ``plan`` from there to the plan
+    being written (it includes waiting for a spare when none was ready).
     """
     marks = list(marks)
-    ends: Dict[str, float] = {}
     start = plan["detected_at"]
-    previous = start
-    for phase in PHASES[1:]:
+    ends: Dict[str, float] = {"plan": plan.get("planned_at", start)}
+    previous = ends["plan"]
+    for phase in PHASES[2:]:
         times = [m[phase] for m in marks if phase in m]
         ends[phase] = max(times) if times else previous
         previous = max(previous, ends[phase])

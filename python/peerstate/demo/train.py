@@ -1,0 +1,90 @@
+"""The demo's training job: a small GPT trained with DDP under `peerstate run`.
+
+Each rank prints ``loss STEP VALUE`` (rank 0) and ``rank R step S`` lines;
+at the end rank 0 writes the final parameters, and every rank its state as a
+torch.save checkpoint (what a classic restart would load). With
+``--restart-from DIR`` it is instead a plain torch.distributed worker that
+loads that checkpoint and runs one step: the demo's restart baseline.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from peerstate.demo.model import Batches, TinyGPT, corpus
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=60)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--out", required=True, help="a folder for the final parameters and checkpoints")
+parser.add_argument("--width", type=int, default=192)
+parser.add_argument("--layers", type=int, default=4)
+parser.add_argument("--batch", type=int, default=8)
+parser.add_argument("--restart-from", default=None, help="baseline: load this checkpoint folder, run one step")
+args = parser.parse_args()
+
+torch.set_num_threads(1)
+batches = Batches(corpus(seed=args.seed), context=64, batch=args.batch, seed=args.seed)
+
+
+def build():
+    torch.manual_seed(args.seed)
+    model = TinyGPT(len(batches.vocabulary), width=args.width, layers=args.layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+    return model, optimizer, scheduler
+
+
+def train_step(ddp, model, optimizer, scheduler, step, rank):
+    x, y = batches(step, rank)
+    loss = F.cross_entropy(ddp(x).view(-1, len(batches.vocabulary)), y.view(-1))
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    return loss.item()
+
+
+if args.restart_from:  # the classic way: a fresh process loads a checkpoint from disk
+    import torch.distributed as dist
+
+    started = time.time()
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    model, optimizer, scheduler = build()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = torch.load(os.path.join(args.restart_from, f"rank{rank}.pt"))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    loaded = time.time()
+    train_step(ddp, model, optimizer, scheduler, state["step"] + 1, rank)
+    print(f"baseline started {started} loaded {loaded} stepped {time.time()}", flush=True)
+    dist.destroy_process_group()
+    sys.exit(0)
+
+import peerstate  # noqa: E402
+
+job = peerstate.Job()
+model, optimizer, scheduler = build()
+job.track(model=model, optimizer=optimizer, scheduler=scheduler)  # a hot spare waits here for its rank
+ddp = job.ddp(model)
+print(f"rank {job.rank} pid {os.getpid()}", flush=True)
+for step in job.steps(args.steps):
+    with job.guard():
+        loss = train_step(ddp, model, optimizer, scheduler, step, job.rank)
+        if job.rank == 0:
+            print(f"loss {step} {loss!r} {time.time()}", flush=True)
+        print(f"rank {job.rank} step {step}", flush=True)
+
+os.makedirs(os.path.join(args.out, "checkpoint"), exist_ok=True)
+torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "step": args.steps - 1}, os.path.join(args.out, "checkpoint", f"rank{job.rank}.pt"))
+if job.rank == 0:
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "final.pt"))
+job.close()
