@@ -5,8 +5,10 @@ of state per rank; bench/recovery_job.py), measured in the same run:
 
 - peerstate: 2 simulated nodes x 2 workers + 1 hot spare under `peerstate run`;
   the agent kills rank 2 after step K (``--inject``); the spare takes its place
-  and pulls its state from its buddy, the survivors roll back in place. The
-  phases come from the job's recovery timeline (events.jsonl).
+  and pulls its state (DDP's state from the surviving ranks' own snapshots, its
+  own RNG state from its buddy; with ``--replicated`` everything from its
+  buddy), the survivors roll back in place. The phases come from the job's
+  recovery timeline (events.jsonl).
 - restart (the classic way, as torchrun's elastic agent does it): the bench
   sees the death with waitpid, stops every other worker, starts all 4 again,
   and each loads its torch.save checkpoint from local disk (still in the page
@@ -49,9 +51,11 @@ def _wait(predicate, what, timeout, processes):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float) -> dict:
+def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float,
+                       replicated: bool) -> dict:
     job = LocalJob(work, [(2, 1), (2, 0)],
-                   [str(JOB), "--mode", "peerstate", "--state-mib", str(state_mib), "--steps", str(steps)],
+                   [str(JOB), "--mode", "peerstate", "--state-mib", str(state_mib), "--steps", str(steps)]
+                   + (["--replicated"] if replicated else []),
                    agent_args=["--inject", f"kill:rank=2:step={kill_step}"])
     try:
         codes = job.wait(timeout)
@@ -98,7 +102,8 @@ def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, tim
     return {"phases": phases, "total_s": first_step - killed_at}
 
 
-def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: float = 300.0) -> list:
+def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: float = 300.0,
+        replicated: bool = False) -> list:
     repeat = repeat or (1 if quick else 3)
     steps, kill_step = 60, 25
     ours, baseline = [], []
@@ -107,7 +112,7 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
             work = Path(tmp)
             (work / "ours").mkdir()
             (work / "base").mkdir()
-            ours.append(peerstate_recovery(work / "ours", state_mib, steps, kill_step, timeout))
+            ours.append(peerstate_recovery(work / "ours", state_mib, steps, kill_step, timeout, replicated))
             baseline.append(restart_recovery(work / "base", state_mib, steps, kill_step, timeout))
         print(f"  run {index + 1}/{repeat}: peerstate {ours[-1]['total_s']:.3f}s, "
               f"restart {baseline[-1]['total_s']:.3f}s", flush=True)
@@ -121,7 +126,8 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
     rows.append({"phase": "kill to first step", "ours_s": ours_total, "baseline_s": base_total,
                  "speedup": base_total / ours_total})
     for row in rows:
-        row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat)
+        row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat,
+                   state_from="buddies (replicated)" if replicated else "surviving ranks (data_parallel)")
     return rows
 
 
@@ -138,9 +144,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one run of each (under two minutes)")
     parser.add_argument("--state-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=0, help="runs of each (default 3, 1 with --quick)")
+    parser.add_argument("--replicated", action="store_true",
+                        help="the replacement pulls all its state from its buddy (default: track(data_parallel="
+                             "True), the model state comes from the surviving ranks' own snapshots)")
     args = parser.parse_args()
-    print(f"recovery of 4 workers + 1 spare, {args.state_mib} MiB of state per rank, kill -9 of rank 2")
-    rows = run(args.quick, args.state_mib, args.repeat)
+    print(f"recovery of 4 workers + 1 spare, {args.state_mib} MiB of state per rank, kill -9 of rank 2, state "
+          f"from {'its buddy' if args.replicated else 'the surviving ranks (data_parallel)'}")
+    rows = run(args.quick, args.state_mib, args.repeat, replicated=args.replicated)
     print_table(rows)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"benchmark": "recovery", "time": time.time(), "rows": rows}, indent=1))

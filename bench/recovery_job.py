@@ -26,6 +26,8 @@ parser.add_argument("--step-seconds", type=float, default=0.05)
 parser.add_argument("--checkpoint-dir", default=None)
 parser.add_argument("--checkpoint-every", type=int, default=10)
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--replicated", action="store_true", help="peerstate: send all state to the buddies "
+                    "(default: data_parallel=True, the model state comes from any surviving rank)")
 args = parser.parse_args()
 torch.set_num_threads(1)
 
@@ -62,7 +64,7 @@ if args.mode == "peerstate":
     job = peerstate.Job()
     model = Model(args.state_mib << 20)
     optimizer = torch.optim.AdamW(model.mlp.parameters(), lr=1e-3)
-    job.track(model=model, optimizer=optimizer)  # a spare waits here for a rank
+    job.track(model=model, optimizer=optimizer, data_parallel=not args.replicated)  # a spare waits here
     ddp = job.ddp(model, broadcast_buffers=False)
     for step in job.steps(args.steps):
         with job.guard():

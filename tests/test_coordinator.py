@@ -160,3 +160,17 @@ def test_timeline_phases_add_up_to_the_recovery():
     assert phases["transfer"] == pytest.approx(0.4) and phases["restore"] == pytest.approx(0.05)
     assert phases["first step"] == pytest.approx(0.15)
     assert timeline["total_s"] == pytest.approx(sum(phases.values()))
+
+
+def test_data_parallel_state_comes_from_any_surviving_group_member():
+    placement = BuddyPlacement(**PLACEMENT_4)
+    shared = BuddyPlacement(node_of_rank=[0, 0, 1, 1], k=1, replica_groups=[[0, 1, 2, 3]])
+    # rank 2's own state (RNG...) is on rank 0 at 9 and 10; the survivors hold 10 and 11
+    reports = {0: report(0, [10, 11], {2: [10, 9]}), 1: report(1, [10, 11]), 2: report(2, needs_state=True),
+               3: report(3, [10, 11])}
+    assert recovery_point(reports, placement, shared) == (10, {})
+    assert sources_of(2, 10, reports, shared) == [0, 1, 3]
+    # a lost node takes both halves' sources of rank 2 only if every group member is gone
+    reports[0] = report(0, needs_state=True)
+    version, lost = recovery_point(reports, placement, shared)
+    assert version is None and "rank 2" in lost[2] and 0 in lost

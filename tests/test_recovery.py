@@ -53,8 +53,9 @@ def recoveries(job):
     return job.events("recovery")
 
 
-def test_kill_one_worker_recovers_bitwise(run, reference):
-    job = run()
+@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
+def test_kill_one_worker_recovers_bitwise(run, reference, data_parallel):
+    job = run(script_args=["--data-parallel"] if data_parallel else [])
     job.wait_for_step(2, 10)
     job.kill_rank(2)
     assert job.wait() == [0, 0], job.describe()
@@ -115,8 +116,9 @@ def test_hung_worker_is_detected_by_its_progress_counter(run, reference):
     assert "hung" in exited["how"]
 
 
-def test_whole_node_killed(run, reference):
-    job = run()
+@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
+def test_whole_node_killed(run, reference, data_parallel):
+    job = run(script_args=["--data-parallel"] if data_parallel else [])
     job.wait_for(lambda: job.spare_pids(), "the spare")
     job.wait_for_step(2, 10)
     job.kill_node(1)
@@ -153,3 +155,4 @@ def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, ref
     assert_bitwise(job, reference)
     [fallback] = {e["step"]: e for e in job.events("checkpoint_fallback")}.values()
     assert fallback["step"] % 5 == 0 and "ranks 0 and 2 lost" in fallback["message"]
+

@@ -73,6 +73,7 @@ class MemberReport:
     replicas: Dict[int, List[int]]   # source rank -> the versions of its replica held here
     address: Tuple[str, int]         # its replication server
     needs_state: bool = False        # new in this epoch, or joined earlier and not restored yet
+    shared_address: Optional[Tuple[str, int]] = None  # its server of data-parallel state, if any
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -82,17 +83,22 @@ class MemberReport:
         data = json.loads(raw)
         data["replicas"] = {int(s): list(v) for s, v in data["replicas"].items()}
         data["address"] = tuple(data["address"])
+        if data.get("shared_address"):
+            data["shared_address"] = tuple(data["shared_address"])
         return cls(**data)
 
 
-def recovery_point(reports: Mapping[int, MemberReport],
-                   placement: BuddyPlacement) -> Tuple[Optional[int], Dict[int, str]]:
+def recovery_point(reports: Mapping[int, MemberReport], placement: BuddyPlacement,
+                   shared: Optional[BuddyPlacement] = None) -> Tuple[Optional[int], Dict[int, str]]:
     """The newest version every rank can resume from, and why a rank cannot.
 
     A member that kept its state resumes from its own SnapshotStore; one that
     needs state (a replacement) from a holder's replica or a replica-group
-    peer's own snapshot. Returns (version, {}), or (None, {rank: reason}) when
-    some rank has no copy left (rank -1: copies exist but of different steps).
+    peer's own snapshot. With ``shared`` (the placement of state that is the
+    same on a group of ranks, e.g. data-parallel model and optimizer, kept in a
+    second store), a replacement also needs the version from a group peer.
+    Returns (version, {}), or (None, {rank: reason}) when some rank has no
+    copy left (rank -1: copies exist but of different steps).
     """
     candidates: Optional[Set[int]] = None
     lost: Dict[int, str] = {}
@@ -105,6 +111,9 @@ def recovery_point(reports: Mapping[int, MemberReport],
                     available.update(held.local)
                 else:
                     available.update(held.replicas.get(rank, []))
+            if shared is not None:
+                peers = [s for s in shared.sources(rank) if not reports[s].needs_state]
+                available &= {v for s in peers for v in reports[s].local}
             if not available:
                 gone = [s for s in placement.sources(rank) if reports[s].needs_state]
                 lost[rank] = (f"shard of rank {rank} has no surviving copy (its holders {gone} were lost too)"

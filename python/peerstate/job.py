@@ -49,13 +49,14 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from peerstate.coordinator import (Coordinator, MemberReport, RecoveryPlan, node_of_worker, recovery_point,
                                    sources_of)
 from peerstate.errors import AbortedError, InvalidArgumentError, JobFailedError, StateLostError
 from peerstate.kvstore import TorchKeyValueStore
-from peerstate.placement import BuddyPlacement
+from peerstate.placement import BuddyPlacement, PlacementWarning
 from peerstate.process_groups import ProcessGroups
 from peerstate.progress import ProgressCounter
 from peerstate.replication import Replication
@@ -235,7 +236,12 @@ class Job:
         self.events = EventLog(env.events, env.worker)
         self.kv = TorchKeyValueStore(env.store_host, env.store_port, timeout=join_timeout)
         self.coordinator = Coordinator(self.kv, env.world_size)
-        self.placement = BuddyPlacement([r // env.nproc_per_node for r in range(env.world_size)], k=k)
+        nodes = [r // env.nproc_per_node for r in range(env.world_size)]
+        self.placement = BuddyPlacement(nodes, k=k)
+        # Data-parallel state is the same on every rank: its copies are the other ranks' own snapshots.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PlacementWarning)
+            self.shared_placement = BuddyPlacement(nodes, k=1, replica_groups=[list(range(env.world_size))])
         secret = env.secret or bytes.fromhex(self.kv.get("job/secret").decode())
         self.progress = ProgressCounter(env.progress) if env.progress else None
         if self.progress:
@@ -243,12 +249,14 @@ class Job:
 
         self._secret = env.secret or bytes.fromhex(self.kv.get("job/secret").decode())
         self._replica_budget_bytes = replica_budget_bytes
-        self.snapshots = SnapshotStore(max_versions=versions, threads=snapshot_threads)
+        self.snapshots = SnapshotStore(max_versions=versions, threads=snapshot_threads)  # this rank's own state
+        self.shared = SnapshotStore(max_versions=versions, threads=snapshot_threads)  # data-parallel state
         self.groups = ProcessGroups(self.backend)
         self.rank: Optional[int] = None  # a spare learns its rank when it is given one
         self.epoch = -1
         self.next_step = 0
         self.recoveries = 0
+        self.capture = True  # False: steps are not snapshotted (for overhead measurements only)
         self._registered = False
         self._needs_state = env.role == "spare"  # a spare's state comes from the buddies
         self._pending_restore: Optional[Tuple[str, int, Any]] = None  # ("pull"|"checkpoint", version, where)
@@ -265,6 +273,8 @@ class Job:
         self._replacement = False
         self.watcher: Optional[EpochWatcher] = None
         self.replication: Optional[Replication] = None
+        self.shared_replication: Optional[Replication] = None
+        self._data_parallel = False
         atexit.register(self.close)  # an exception out of the loop still stops the threads in order
         if env.role != "spare":
             self.kv.wait(["epoch/0/plan"], timeout=self.join_timeout)
@@ -280,6 +290,8 @@ class Job:
                           GROUP_RANK=str(node_of_worker(self.worker)))
         self.replication = Replication(self.snapshots, rank, self.placement, secret=self._secret,
                                        host=self._env.host, replica_budget_bytes=self._replica_budget_bytes)
+        self.shared_replication = Replication(self.shared, rank, self.shared_placement, secret=self._secret,
+                                              host=self._env.host)
         self.watcher = EpochWatcher(self.kv.clone(), plan, self._on_new_epoch)
         try:
             self._join(plan)
@@ -302,7 +314,7 @@ class Job:
         return wrapper
 
     def track(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, loader: Any = None,
-              extras: Optional[Mapping[str, Any]] = None) -> None:
+              extras: Optional[Mapping[str, Any]] = None, data_parallel: bool = False) -> None:
         """Say what the training state is. ``scheduler``, ``loader`` and each of
         ``extras`` need ``state_dict()``/``load_state_dict()``; the RNG states of
         Python, NumPy, torch and CUDA are always captured.
@@ -311,7 +323,14 @@ class Job:
         first step boundary. A hot spare runs the script up to here ahead of time:
         it materialises the optimizer state, registers and allocates everything,
         and only then waits for a rank, so code before ``track()`` must not depend
-        on the rank. Once given one it pulls the state and returns."""
+        on the rank. Once given one it pulls the state and returns.
+
+        ``data_parallel=True`` says that model, optimizer and scheduler state are the
+        same on every rank (DistributedDataParallel): they are then snapshotted but
+        not replicated, and a replacement pulls them from any surviving rank's own
+        snapshot (no traffic, no extra memory). Only each rank's own state (RNG,
+        loader, extras) goes to its buddies."""
+        self._data_parallel = data_parallel
         self._tracked = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
                          "extras": dict(extras or {})}
         if self._needs_state:
@@ -345,6 +364,14 @@ class Job:
         return _Guard(self)
 
     # -- joining an epoch -----------------------------------------------------------
+    def wait_for_rank(self) -> int:
+        """A spare: block until a plan gives this process a rank (a worker returns at
+        once). Call it before building anything that needs the process group, such
+        as FSDP2's ``fully_shard``; the spare is then less ready (it builds its model
+        after being picked). Returns the rank."""
+        self._wait_for_rank()
+        return self.rank
+
     def _wait_for_rank(self) -> None:
         """A spare: join the pool and block until a plan gives this process a rank."""
         if self.rank is not None:
@@ -368,6 +395,7 @@ class Job:
         self._marks = {}
         self.groups.abort(plan.epoch)
         self.replication.abort_transfers()
+        self.shared_replication.abort_transfers()
         self.events.write("epoch_seen", epoch=plan.epoch, rank=self.rank)
 
     def _recover(self) -> None:
@@ -395,6 +423,7 @@ class Job:
                                         json.dumps(wrapper.bucket_layout()).encode())
             self.groups.destroy()
             self.replication.reset()
+            self.shared_replication.reset()
             self._pending_replication = None
             if not self._needs_state:
                 self._mark("abort")
@@ -402,20 +431,23 @@ class Job:
         # The version in flight counts as held: a local copy does not fail short of a
         # bug, and waiting for it here would put it on every recovery's critical path.
         # It is waited for below only if it is the recovery point.
-        in_flight = self.snapshots.in_flight_version()
-        local = self.snapshots.committed_versions() + ([in_flight] if in_flight is not None else [])
+        local = set.intersection(*({*store.committed_versions(), store.in_flight_version()} - {None}
+                                   for store, _ in self._stores()))
         self.kv.set(f"epoch/{plan.epoch}/report/{self.rank}", MemberReport(
-            self.rank, self.worker, local, self.replication.held_versions(), self.replication.address,
-            self._needs_state).encode())
+            self.rank, self.worker, sorted(local), self.replication.held_versions(), self.replication.address,
+            self._needs_state, self.shared_replication.address).encode())
         reports = self._gather_reports(plan.epoch)
         self.replication.connect({r: report.address for r, report in reports.items()})
+        self.shared_replication.connect({r: report.shared_address for r, report in reports.items()})
         restore = None
         if plan.epoch > 0:
-            version, lost = recovery_point(reports, self.placement)
+            version, lost = recovery_point(reports, self.placement,
+                                           self.shared_placement if self._data_parallel else None)
             if version is None:
                 restore = self._fall_back_to_checkpoint(plan, lost)
             else:
-                restore = ("pull", version, sources_of(self.rank, version, reports, self.placement))
+                restore = ("pull", version, (sources_of(self.rank, version, reports, self.placement),
+                                             sources_of(self.rank, version, reports, self.shared_placement)))
             self.next_step = restore[1] + 1
             self._first_step_after = self.next_step
         # Rolling back from memory overlaps the re-forming of the group: both take tens
@@ -459,9 +491,10 @@ class Job:
             self._load_checkpoint(where, version)
             self._mark("restore")
         else:
-            if self.snapshots.in_flight_version() == version:
-                self.snapshots.wait()
-            self.snapshots.restore(version)  # cancels a newer version in flight
+            for store, _ in reversed(self._stores()):  # shared first: its objects (scheduler) before RNG
+                if store.in_flight_version() == version:
+                    store.wait()
+                store.restore(version)  # cancels a newer version in flight
             self._mark("restore")
 
     def _gather_reports(self, epoch: int) -> Dict[int, MemberReport]:
@@ -521,9 +554,13 @@ class Job:
             self._load_checkpoint(where, version)
             self._mark("transfer")
         else:
-            self.replication.pull(self.rank, version, sources=where)
+            own_sources, shared_sources = where
+            self.replication.pull(self.rank, version, sources=own_sources)
+            if self._data_parallel:
+                self.shared_replication.pull(self.rank, version, sources=shared_sources)
             self._mark("transfer")
-            self.snapshots.restore(version)
+            for store, _ in reversed(self._stores()):
+                store.restore(version)
         self._mark("restore")
         self._pending_restore = None
         self._needs_state = False
@@ -538,9 +575,10 @@ class Job:
             self._register()
             self.kv.set(f"bytes/{self.rank}", str(self.snapshots.memory()["bytes_per_version"]).encode())
             self._reserve_replicas()
-        if step % self.snapshot_every == 0:
+        if self.capture and step % self.snapshot_every == 0:
             self._start_replication()  # no optimizer hook ran (no optimizer tracked)
-            self.snapshots.snapshot(step)
+            for store, _ in self._stores():
+                store.snapshot(step)
             self._pending_replication = step
         if self.checkpoint_every and step % self.checkpoint_every == 0:
             self._save_checkpoint(step)
@@ -558,21 +596,32 @@ class Job:
         (it reads the live tensors); then stream it to the buddies in the background."""
         version, self._pending_replication = self._pending_replication, None
         if version is not None:
-            self.snapshots.wait()
-            self.replication.replicate(version)
+            for store, _ in self._stores():
+                store.wait()
+            self.replication.replicate(version)  # data-parallel state has no buddies: nothing to send
 
     def _register(self) -> None:
-        """Register the tracked state with the SnapshotStore and allocate its versions."""
+        """Register the tracked state with the SnapshotStores and allocate their versions."""
         tracked = self._tracked
-        register_training_state(self.snapshots, model=tracked.get("model"), optimizer=tracked.get("optimizer"))
-        stateful = {"scheduler": tracked.get("scheduler"), "loader": tracked.get("loader"),
-                    **{f"extras/{n}": v for n, v in tracked.get("extras", {}).items()}}
-        for name, obj in stateful.items():
+        common = self.shared if self._data_parallel else self.snapshots
+        register_training_state(common, model=tracked.get("model"), optimizer=tracked.get("optimizer"))
+        if tracked.get("scheduler") is not None:
+            common.register_object("scheduler", tracked["scheduler"].state_dict, tracked["scheduler"].load_state_dict)
+        private = {"loader": tracked.get("loader"), **{f"extras/{n}": v for n, v in tracked.get("extras", {}).items()}}
+        for name, obj in private.items():
             if obj is not None:
                 self.snapshots.register_object(name, obj.state_dict, obj.load_state_dict)
         self.snapshots.register_object("rng", _rng_state, _set_rng_state)
-        self.snapshots.allocate()
+        for store, _ in self._stores():
+            store.allocate()
         self._registered = True
+
+    def _stores(self) -> List[Tuple[SnapshotStore, Optional[Replication]]]:
+        """(store, its replication) in use: this rank's own, then the data-parallel one."""
+        stores = [(self.snapshots, self.replication)]
+        if self._data_parallel:
+            stores.append((self.shared, self.shared_replication))
+        return stores
 
     def _reserve_replicas(self, background: bool = False) -> None:
         """Account (and allocate) the replicas of the ranks this rank serves."""
@@ -589,15 +638,18 @@ class Job:
     def _checkpoint_state(self) -> Dict[str, Any]:
         import torch
 
-        state: Dict[str, Any] = {f"rank{self.rank}/{name}": owner for name, owner in self.snapshots.owners().items()
-                                 if isinstance(owner, torch.Tensor)}
-        state[f"rank{self.rank}/objects"] = self.snapshots.capture_objects()
+        state: Dict[str, Any] = {}
+        for index, (store, _) in enumerate(self._stores()):
+            state.update({f"rank{self.rank}/{index}/{name}": owner for name, owner in store.owners().items()
+                          if isinstance(owner, torch.Tensor)})
+            state[f"rank{self.rank}/{index}/objects"] = store.capture_objects()
         return state
 
     def _save_checkpoint(self, step: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        self.snapshots.wait()
+        for store, _ in self._stores():
+            store.wait()
         dcp.save(self._checkpoint_state(), checkpoint_id=os.path.join(self.checkpoint_dir, f"step_{step:09d}"))
 
     def _load_checkpoint(self, path: str, step: int) -> None:
@@ -605,8 +657,9 @@ class Job:
 
         state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=path, no_dist=True)
-        self.snapshots.apply_objects(state[f"rank{self.rank}/objects"])
-        self.snapshots.drop_newer(step)  # the next snapshot is step + 1
+        for index, (store, _) in enumerate(self._stores()):
+            store.apply_objects(state[f"rank{self.rank}/{index}/objects"])
+            store.drop_newer(step)  # the next snapshot is step + 1
 
     # -- accounting -----------------------------------------------------------------
     def _mark(self, phase: str) -> None:
@@ -648,12 +701,14 @@ class Job:
         self._closed = True
         if self.watcher is not None:
             self.watcher.stop()
-        if self.replication is not None:
-            self.replication.close()
+        for replication in (self.replication, self.shared_replication):
+            if replication is not None:
+                replication.close()
         for wrapper in self._ddps:
             wrapper.release()
         self.groups.destroy()
         self.snapshots.close()
+        self.shared.close()
         if self.progress:
             self.progress.close()
 

@@ -8,6 +8,10 @@ state) is registered as eager Python state.
 
 Optimizer state such as Adam's moments is created lazily by the first
 ``optimizer.step()``: register after it, or register again once it exists.
+
+Sharded state (FSDP2's ``fully_shard``, any DTensor) is registered as this
+rank's local shard: each rank snapshots and replicates its own shard, and a
+replacement receives the failed rank's.
 """
 
 from __future__ import annotations
@@ -30,11 +34,15 @@ def register_training_state(
     """
     import torch
 
+    def local(value: Any) -> Any:
+        # A DTensor's to_local() is its live local shard (same storage).
+        return value.to_local() if hasattr(value, "to_local") and hasattr(value, "device_mesh") else value
+
     tensors = {}
     if model is not None:
         for key, value in model.state_dict().items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{prefix}model/{key}"] = value
+                tensors[f"{prefix}model/{key}"] = local(value)
     names = list(tensors)
     if optimizer is not None:
         # Index the live state by the parameters' positions, as state_dict() does,
@@ -45,7 +53,7 @@ def register_training_state(
             for key, value in optimizer.state.get(param, {}).items():
                 name = f"{prefix}optimizer/state/{index}/{key}"
                 if isinstance(value, torch.Tensor):
-                    tensors[name] = value
+                    tensors[name] = local(value)
                 else:
                     scalars[(index, key)] = value
         names = list(tensors)

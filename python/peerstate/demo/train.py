@@ -72,7 +72,7 @@ import peerstate  # noqa: E402
 
 job = peerstate.Job()
 model, optimizer, scheduler = build()
-job.track(model=model, optimizer=optimizer, scheduler=scheduler)  # a hot spare waits here for its rank
+job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=True)  # a spare waits here
 ddp = job.ddp(model)
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
 for step in job.steps(args.steps):

@@ -1,0 +1,47 @@
+"""The job of bench/overhead.py: the demo's GPT under `peerstate run`, with every-step
+capture (snapshot + replication) switched on and off in alternating blocks of
+steps. Rank 0 prints ``step S MODE SECONDS`` for each step (the time from the
+start of one step to the start of the next)."""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import peerstate
+from peerstate.demo.model import Batches, TinyGPT, corpus
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--blocks", type=int, default=8)
+parser.add_argument("--block-steps", type=int, default=10)
+parser.add_argument("--warmup", type=int, default=5)
+parser.add_argument("--width", type=int, default=192)
+parser.add_argument("--layers", type=int, default=4)
+args = parser.parse_args()
+torch.set_num_threads(1)
+
+batches = Batches(corpus(), context=64, batch=8, seed=0)
+job = peerstate.Job()
+torch.manual_seed(0)
+model = TinyGPT(len(batches.vocabulary), width=args.width, layers=args.layers)
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+job.track(model=model, optimizer=optimizer, data_parallel=True)
+ddp = job.ddp(model)
+
+total = args.warmup + args.blocks * args.block_steps
+last = None
+for step in job.steps(total):
+    block = (step - args.warmup) // args.block_steps
+    job.capture = step < args.warmup or block % 2 == 0  # on, off, on, off, ...
+    now = time.perf_counter()
+    if last is not None and job.rank == 0 and step > args.warmup:
+        print(f"step {step - 1} {'on' if previous_capture else 'off'} {now - last!r}", flush=True)
+    last, previous_capture = now, job.capture
+    with job.guard():
+        x, y = batches(step, job.rank)
+        loss = F.cross_entropy(ddp(x).view(-1, len(batches.vocabulary)), y.view(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+job.close()
