@@ -15,7 +15,8 @@ of state per rank; bench/recovery_job.py), measured in the same run:
   cache: the most favourable case for the baseline).
 
 Run: python bench/recovery.py [--quick] [--state-mib 256] [--repeat 3]
-Writes bench/results/recovery.json: rows with phase, ours_s, baseline_s, speedup.
+Writes bench/results/recovery.json (recovery_replicated.json with --replicated):
+rows with phase, ours_s, baseline_s, speedup.
 """
 
 from __future__ import annotations
@@ -152,9 +153,10 @@ def main() -> None:
           f"from {'its buddy' if args.replicated else 'the surviving ranks (data_parallel)'}")
     rows = run(args.quick, args.state_mib, args.repeat, replicated=args.replicated)
     print_table(rows)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"benchmark": "recovery", "time": time.time(), "rows": rows}, indent=1))
-    print(f"wrote {RESULTS}")
+    path = RESULTS.with_name("recovery_replicated.json") if args.replicated else RESULTS
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"benchmark": "recovery", "time": time.time(), "rows": rows}, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -242,11 +242,9 @@ class Job:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PlacementWarning)
             self.shared_placement = BuddyPlacement(nodes, k=1, replica_groups=[list(range(env.world_size))])
-        secret = env.secret or bytes.fromhex(self.kv.get("job/secret").decode())
         self.progress = ProgressCounter(env.progress) if env.progress else None
         if self.progress:
             self.progress.start_ticking()
-
         self._secret = env.secret or bytes.fromhex(self.kv.get("job/secret").decode())
         self._replica_budget_bytes = replica_budget_bytes
         self.snapshots = SnapshotStore(max_versions=versions, threads=snapshot_threads)  # this rank's own state
