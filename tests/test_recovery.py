@@ -156,3 +156,24 @@ def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, ref
     [fallback] = {e["step"]: e for e in job.events("checkpoint_fallback")}.values()
     assert fallback["step"] % 5 == 0 and "ranks 0 and 2 lost" in fallback["message"]
 
+
+
+def test_fsdp2_shards_recover_bitwise(run, tmp_path_factory):
+    """FSDP2 (fully_shard) over gloo: each rank snapshots and replicates its own shard; the
+    replacement of rank 2 receives rank 2's shard, and every shard ends as in a fault-free run."""
+    reference = Job(tmp_path_factory.mktemp("fsdp-reference"), [(4, 0)], steps=STEPS, script_args=["--fsdp"])
+    try:
+        assert reference.wait() == [0], reference.describe()
+    finally:
+        reference.close()
+    job = run(script_args=["--fsdp"])
+    job.wait_for_step(2, 10)
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    for rank in range(4):
+        expected = torch.load(f"{reference.out}.rank{rank}")
+        final = torch.load(f"{job.out}.rank{rank}")
+        different = [k for k in expected if not torch.equal(final[k], expected[k])]
+        assert not different, f"rank {rank}: shards {different} differ from the fault-free run"
+    [recovery] = recoveries(job)
+    assert recovery["failed"] == [2]

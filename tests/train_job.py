@@ -20,6 +20,7 @@ parser.add_argument("--step-seconds", type=float, default=0.05, help="extra time
 parser.add_argument("--out", default=None)
 parser.add_argument("--fail-at-import", action="store_true")
 parser.add_argument("--data-parallel", action="store_true", help="track(data_parallel=True)")
+parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
 parser.add_argument("--trace", action="store_true", help="print a digest of the parameters at each step")
 parser.add_argument("--width", type=int, default=64)
 args = parser.parse_args()
@@ -28,13 +29,21 @@ if args.fail_at_import:
 
 torch.set_num_threads(1)
 job = peerstate.Job(join_timeout=60.0, failure_grace=20.0)
+if args.fsdp:
+    job.wait_for_rank()  # fully_shard needs the process group: a spare builds its model once picked
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 4))
+if args.fsdp:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
 job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=args.data_parallel)
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
-ddp = job.ddp(model)
+ddp = model if args.fsdp else job.ddp(model)
 
 for step in job.steps(args.steps):
     with job.guard():
@@ -49,12 +58,16 @@ for step in job.steps(args.steps):
         optimizer.step()
         scheduler.step()
     if args.trace:
-        digest = sum(float(p.double().sum()) for p in model.parameters())
+        digest = sum(float((p.to_local() if args.fsdp else p).double().sum()) for p in model.parameters())
         print(f"rank {job.rank} step {step} params {digest!r} lr {optimizer.param_groups[0]['lr']!r}", flush=True)
     else:
         print(f"rank {job.rank} step {step}", flush=True)
 
-if args.out and job.rank == 0:
+if args.out and args.fsdp:  # every rank its own shards
+    shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    torch.save(shards, f"{args.out}.rank{job.rank}.tmp")
+    os.replace(f"{args.out}.rank{job.rank}.tmp", f"{args.out}.rank{job.rank}")
+elif args.out and job.rank == 0:
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out + ".tmp")
     os.replace(args.out + ".tmp", args.out)
 print(f"rank {job.rank} done at step {job.next_step}, {job.recoveries} recoveries", flush=True)

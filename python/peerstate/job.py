@@ -478,6 +478,7 @@ class Job:
             return
         for wrapper in self._ddps:
             wrapper.rebuild(init_sync=False, layout=wrapper.bucket_layout())
+        _reset_fsdp(self._tracked.get("model"))
 
     def _roll_back(self, restore: Tuple[str, int, Any]) -> None:
         """Bring the registered state back to the recovery point."""
@@ -789,6 +790,24 @@ def _fault_time(events_path: Optional[str], plan: RecoveryPlan) -> Optional[floa
     faults = [e["time"] for e in read_events(events_path)
               if e["event"] == "fault_injected" and plan.detected_at - 60 < e["time"] <= plan.detected_at]
     return max(faults) if faults else None
+
+
+def _reset_fsdp(model: Any) -> None:
+    """After an abort, FSDP2 (``fully_shard``) modules: drop the aborted iteration
+    (``reset_iter_state``: in-flight collectives, unsharded parameters, per-iteration
+    trackers) and point their cached process groups at the re-formed world group.
+    Their device mesh finds groups by name, and the re-formed group has the old one's."""
+    if model is None or not hasattr(model, "reset_iter_state"):
+        return
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
+        for info in (group.mesh_info, group.post_forward_mesh_info) if group is not None else ():
+            if info is not None and getattr(info, "shard_mesh_dim", None) is not None:
+                info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+    try:
+        model.reset_iter_state()
+    except Exception:  # noqa: BLE001 - it waits on the aborted iteration's collectives, which
+        model.reset_iter_state()  # failed; the first call cleared them, the second finishes the reset
 
 
 def _warm_up() -> None:
