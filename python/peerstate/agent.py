@@ -323,7 +323,9 @@ class Agent:
 
     def _check_hangs(self, now: float) -> None:
         for process in self.processes.values():
-            heartbeat, _ = process.counter.read()
+            heartbeat, step = process.counter.read()
+            if step == progress_file.FINISHED:
+                continue
             if heartbeat != process.heartbeat:
                 process.heartbeat, process.heartbeat_at, process.ticked = heartbeat, now, True
             elif (process.ticked and process.rank is not None and not process.hung

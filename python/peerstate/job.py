@@ -698,6 +698,8 @@ class Job:
         if self._closed:
             return
         self._closed = True
+        if self.progress:
+            self.progress.finish()  # shutting down takes a while: not a hang
         if self.watcher is not None:
             self.watcher.stop()
         for replication in (self.replication, self.shared_replication):

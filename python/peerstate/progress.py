@@ -18,6 +18,7 @@ from typing import Optional
 
 _FORMAT = "<Qq"
 SIZE = struct.calcsize(_FORMAT)
+FINISHED = -2  # the step word once the worker has finished: it is no longer watched
 
 
 def create(path: str) -> None:
@@ -53,6 +54,10 @@ class ProgressCounter:
 
         self._ticker = threading.Thread(target=tick, name="peerstate-progress", daemon=True)
         self._ticker.start()
+
+    def finish(self) -> None:
+        """Mark the worker done: from here to its exit it is not watched for hangs."""
+        self.set_step(FINISHED)
 
     def close(self) -> None:
         self._stop.set()
