@@ -386,7 +386,7 @@ class Agent:
         except Exception:  # noqa: BLE001 - no plan yet: the job failed while starting
             pass
         recovered = f"after {plan.epoch} recoveries, " if plan else ""
-        print(f"peerstate: the job cannot go on: {reason}. Node {self.node} stops its workers and spares "
+        print(f"peerstate: the job cannot go on: {reason.rstrip('.')}. Node {self.node} stops its workers and spares "
               f"({recovered}{finished} of {self.world_size} ranks had finished). Worker logs and the event log "
               f"are in {self.log_dir}/.", file=sys.stderr, flush=True)
         return 1
