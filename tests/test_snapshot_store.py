@@ -178,6 +178,22 @@ def test_corrupted_snapshot_detected_and_live_untouched(store):
     assert torch.equal(t, good)
 
 
+def test_restore_without_verify_skips_the_checksum_pass(store):
+    # verify=False is for a version received a moment ago and verified chunk by chunk on
+    # arrival; the same flipped bit that restore() refuses is then copied as it is.
+    t = byte_tensor(200_000, 1)
+    store.register("t", t)
+    store.snapshot(1).wait()
+    raw = store.stored_bytes(1)
+    offset = store.version_info(1)["chunks"][1][0] + 10
+    raw[offset] ^= 0x01
+    expected = torch.frombuffer(bytearray(bytes(raw)), dtype=torch.uint8)[: t.numel()]
+    with pytest.raises(peerstate.ChecksumMismatchError):
+        store.restore(1)
+    store.restore(1, verify=False)
+    assert torch.equal(t.view(torch.uint8)[: expected.numel()], expected)
+
+
 def test_unknown_version(store):
     t = byte_tensor(1000, 1)
     store.register("t", t)

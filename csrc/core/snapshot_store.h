@@ -100,7 +100,9 @@ class SnapshotStore {
   // read the buffers being overwritten) and versions newer than `version` are
   // dropped: training resumes from `version`. On any error the registered
   // buffers are untouched and every committed version is kept.
-  Status restore(int64_t version);
+  // `verify` false skips the checksum pass: only for a version this process
+  // received a moment ago, whose every chunk was verified as it arrived.
+  Status restore(int64_t version, bool verify = true);
   // Cancels the in-flight version and forgets committed versions newer than
   // `version`, without touching the buffers: for state that was rolled back
   // by other means (a disk checkpoint of step `version`), so that the next

@@ -47,7 +47,7 @@ class SnapshotStore:
         """Start copying as `version` and return; waits first for a version in flight."""
     def wait(self) -> None:
         """Block (GIL released) until the version in flight commits; raise its error."""
-    def restore(self, version: int) -> None:
+    def restore(self, version: int, verify: bool = True) -> None:
         """Verify, then copy a committed version into the buffers; nothing written on error."""
     def drop_newer(self, version: int) -> None:
         """Cancel the in-flight version and forget committed versions newer than

@@ -166,11 +166,13 @@ class SnapshotStore:
         """Block until the version in flight (if any) commits; raise its error."""
         self._native.wait()
 
-    def restore(self, version: int) -> None:
+    def restore(self, version: int, verify: bool = True) -> None:
         """Copy committed ``version`` back into the registered buffers and objects.
 
         Checksums are verified first: on any error nothing is written. Versions
         newer than ``version`` are dropped and the one in flight is cancelled.
+        ``verify=False`` skips that pass, for a version this process received a
+        moment ago (every chunk was verified as it arrived).
         """
         self._check_registration()
         if self._objects:
@@ -181,7 +183,7 @@ class SnapshotStore:
                     f"version {version} holds no value for object(s) {missing}; it was taken before "
                     "they were registered. The live state was not changed."
                 )
-        self._native.restore(version)
+        self._native.restore(version, verify)
         if self._objects:
             self.apply_objects(self._read_objects(memoryview(self._object_bytes)))
 
