@@ -48,7 +48,8 @@ class SnapshotStore:
     def wait(self) -> None:
         """Block (GIL released) until the version in flight commits; raise its error."""
     def restore(self, version: int, verify: bool = True) -> None:
-        """Verify, then copy a committed version into the buffers; nothing written on error."""
+        """Verify (unless verify=False: a version just received, verified on arrival), then copy a
+        committed version into the buffers; nothing written on error."""
     def drop_newer(self, version: int) -> None:
         """Cancel the in-flight version and forget committed versions newer than
         ``version``; the buffers are not touched."""

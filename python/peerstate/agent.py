@@ -273,8 +273,8 @@ class Agent:
         os.unlink(process.counter.path)
         how = "hung (its progress counter stopped) and was killed" if process.hung else _describe_exit(code)
         self.events.write("process_exited", worker=process.worker, rank=process.rank, code=code, how=how)
-        if self._stopping or (code == 0 and process.rank is not None):
-            return
+        if self._stopping or (code == 0 and process.rank is not None) or self.coordinator.failure():
+            return  # a worker that stops because the job failed is not a new failure
         if process.rank is None:
             assigned = self.coordinator.spare_gone(process.worker)
             if assigned is None:
