@@ -185,6 +185,8 @@ class Agent:
         host, port = self.store_address.rsplit(":", 1)
         env = dict(os.environ)
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the watcher's timed-out waits are not news
+        if config.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in env:
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds where --host says, not the hostname's address
         env.update(config.extra_env)
         env.update(
             WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(config.nproc_per_node),

@@ -110,7 +110,7 @@ def start_plain_workers(script: Sequence[str], world_size: int, log_prefix: Path
     for rank in range(world_size):
         variables = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                         TORCH_CPP_LOG_LEVEL="ERROR", **(env or {}))
+                         TORCH_CPP_LOG_LEVEL="ERROR", GLOO_SOCKET_IFNAME="lo", **(env or {}))
         with open(f"{log_prefix}.rank{rank}.log", "wb") as log:
             processes.append(subprocess.Popen([sys.executable, *script], env=variables, stdout=log,
                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
