@@ -31,25 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from peerstate.local import LocalJob, kill_all, start_plain_workers
+from peerstate.local import LocalJob, kill_all, start_plain_workers, wait_until
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "recovery_job.py"
 RESULTS = HERE / "results" / "recovery.json"
 OUR_PHASES = ("detect", "plan", "abort", "re-form", "transfer", "restore", "first step")
 BASELINE_PHASES = ("detect", "stop", "restart", "load", "first step")
-
-
-def _wait(predicate, what, timeout, processes):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if all(p.poll() is not None for p in processes):
-            raise RuntimeError(f"the job ended while waiting for {what}")
-        time.sleep(0.005)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float,
@@ -81,8 +69,9 @@ def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, tim
     first = start_plain_workers(script, 4, work / "restart0")
     second = []
     try:
-        _wait(lambda: any(int(s) >= kill_step for s in re.findall(
-            r"^step (\d+)", (work / "restart0.rank2.log").read_text(), re.M)), f"step {kill_step}", timeout, first)
+        wait_until(lambda: any(int(s) >= kill_step for s in re.findall(
+            r"^step (\d+)", (work / "restart0.rank2.log").read_text(), re.M)), f"step {kill_step}", timeout, first,
+            interval=0.005)
         killed_at = time.time()
         os.killpg(first[2].pid, signal.SIGKILL)
         while first[2].poll() is None:  # waitpid, as an agent would
@@ -91,8 +80,8 @@ def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, tim
         kill_all(first)
         stopped_at = time.time()
         second = start_plain_workers(script + ["--resume"], 4, work / "restart1")
-        _wait(lambda: all(t for t in _times(work, 1, r"^step \d+ (\S+)")), "the first step after restart",
-              timeout, second)
+        wait_until(lambda: all(t for t in _times(work, 1, r"^step \d+ (\S+)")), "the first step after restart",
+                   timeout, second, interval=0.005)
         started = max(t[0] for t in _times(work, 1, r"^started (\S+)"))
         loaded = max(t[0] for t in _times(work, 1, r"^loaded (\S+)"))
         first_step = max(t[0] for t in _times(work, 1, r"^step \d+ (\S+)"))

@@ -22,7 +22,7 @@ def kv():
 
 
 def coordinator(kv, spares=("n0.2", "n1.2")):
-    c = Coordinator(kv, WORLD)
+    c = Coordinator(kv)
     kv.set("config", b'{"nnodes": 2, "nproc_per_node": 2, "world_size": 4}')
     c.start(MEMBERS)
     for spare in spares:
@@ -36,7 +36,7 @@ def test_concurrent_reports_of_one_failure_make_one_plan(kv):
 
     def report(i):
         try:  # each agent has its own connection, as in a real job
-            c = Coordinator(kv.clone(), WORLD)
+            c = Coordinator(kv.clone())
             plans.append(c.report_failure(["n1.0"], "killed", detected_at=1.0, me=f"agent{i}"))
         except Exception as error:  # noqa: BLE001
             errors.append(error)
@@ -47,7 +47,7 @@ def test_concurrent_reports_of_one_failure_make_one_plan(kv):
     assert not errors
     made = [p for p in plans if p is not None]
     assert {p.epoch for p in made} == {1}
-    latest = Coordinator(kv, WORLD).latest_plan()
+    latest = Coordinator(kv).latest_plan()
     assert latest.epoch == 1 and latest.failed == [2]
     assert latest.replaced == {2: "n1.2"}  # a spare of the failed worker's own node first
     assert kv.get("assign/n1.2") is not None and kv.get("assign/n0.2") is None
@@ -57,11 +57,11 @@ def test_two_failures_at_once_each_get_a_spare_and_an_epoch(kv):
     coordinator(kv)
     results = []
     threads = [threading.Thread(target=lambda w=w, i=i: results.append(
-        Coordinator(kv.clone(), WORLD).report_failure([w], "killed", detected_at=1.0, me=f"agent{i}")))
+        Coordinator(kv.clone()).report_failure([w], "killed", detected_at=1.0, me=f"agent{i}")))
         for i, w in enumerate(["n0.1", "n1.1"])]
     [t.start() for t in threads]
     [t.join(timeout=30) for t in threads]
-    latest = Coordinator(kv, WORLD).latest_plan()
+    latest = Coordinator(kv).latest_plan()
     assert latest.epoch == 2
     assert {latest.members[1], latest.members[3]} == {"n0.2", "n1.2"}
     assert sorted(r for p in results if p for r in p.failed) == [1, 3]

@@ -138,7 +138,7 @@ class Agent:
         self.store_address = f"{host}:{self.kv.port}"
         if self.node == 0:
             print(f"peerstate: store at {self.store_address}", file=sys.stderr, flush=True)
-        self.coordinator = Coordinator(self.kv, self.world_size)
+        self.coordinator = Coordinator(self.kv)
         shape = {"nnodes": config.nnodes, "nproc_per_node": config.nproc_per_node, "world_size": self.world_size}
         agreed = json.loads(self.kv.compare_set("config", b"", json.dumps(shape).encode()))
         if agreed != shape:
@@ -279,16 +279,15 @@ class Agent:
             return  # a worker that stops because the job failed is not a new failure
         if process.rank is None:
             assigned = self.coordinator.spare_gone(process.worker)
-            if assigned is None:
-                if code > 0 and not process.ticked:
-                    self._fail(f"hot spare {process.worker} {how} before it reached peerstate.Job(): the script "
-                               f"fails at start-up. Last lines of {process.log}:\n{_tail(process.log)}")
-                return  # a waiting spare died: the pool is refilled
-            process.rank = assigned[1]
+            if assigned is not None:
+                process.rank = assigned[1]  # its death is that rank's failure
+        who = f"hot spare {process.worker}" if process.rank is None else f"rank {process.rank} ({process.worker})"
         if code > 0 and not process.ticked:
-            self._fail(f"rank {process.rank} ({process.worker}) {how} before it reached peerstate.Job(): the "
-                       f"script fails at start-up. Last lines of {process.log}:\n{_tail(process.log)}")
+            self._fail(f"{who} {how} before it reached peerstate.Job(): the script fails at start-up. Last lines "
+                       f"of {process.log}:\n{_tail(process.log)}")
             return
+        if process.rank is None:
+            return  # a waiting spare died: the pool is refilled
         self._report([process.worker], f"rank {process.rank} ({process.worker}) {how}", detected_at)
 
     def _report(self, workers: List[str], reason: str, detected_at: float) -> None:
@@ -300,7 +299,7 @@ class Agent:
             try:
                 with self._reporting:
                     # Its own connection: waits on this one must not delay the lease on the main one.
-                    coordinator = Coordinator(self.kv.clone(), self.world_size)
+                    coordinator = Coordinator(self.kv.clone())
                     plan = coordinator.report_failure(workers, reason, detected_at=detected_at, me=self.name,
                                                       spare_timeout=self.config.spare_timeout)
                 if plan is not None:

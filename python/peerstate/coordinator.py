@@ -141,9 +141,8 @@ class Coordinator:
     """The coordinator's operations over the job's store (used by the agents;
     workers only read plans)."""
 
-    def __init__(self, kv: KeyValueStore, world_size: int) -> None:
+    def __init__(self, kv: KeyValueStore) -> None:
         self.kv = kv
-        self.world_size = world_size
         self._known_epoch = 0
 
     # -- epochs ----------------------------------------------------------------------

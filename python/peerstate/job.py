@@ -235,7 +235,7 @@ class Job:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.events = EventLog(env.events, env.worker)
         self.kv = TorchKeyValueStore(env.store_host, env.store_port, timeout=join_timeout)
-        self.coordinator = Coordinator(self.kv, env.world_size)
+        self.coordinator = Coordinator(self.kv)
         nodes = [r // env.nproc_per_node for r in range(env.world_size)]
         self.placement = BuddyPlacement(nodes, k=k)
         # Data-parallel state is the same on every rank: its copies are the other ranks' own snapshots.
@@ -430,7 +430,7 @@ class Job:
         # bug, and waiting for it here would put it on every recovery's critical path.
         # It is waited for below only if it is the recovery point.
         local = set.intersection(*({*store.committed_versions(), store.in_flight_version()} - {None}
-                                   for store, _ in self._stores()))
+                                   for store in self._stores()))
         self.kv.set(f"epoch/{plan.epoch}/report/{self.rank}", MemberReport(
             self.rank, self.worker, sorted(local), self.replication.held_versions(), self.replication.address,
             self._needs_state, self.shared_replication.address).encode())
@@ -490,7 +490,7 @@ class Job:
             self._load_checkpoint(where, version)
             self._mark("restore")
         else:
-            for store, _ in reversed(self._stores()):  # shared first: its objects (scheduler) before RNG
+            for store in reversed(self._stores()):  # shared first: its objects (scheduler) before RNG
                 if store.in_flight_version() == version:
                     store.wait()
                 store.restore(version)  # cancels a newer version in flight
@@ -558,7 +558,7 @@ class Job:
             if self._data_parallel:
                 self.shared_replication.pull(self.rank, version, sources=shared_sources)
             self._mark("transfer")
-            for store, _ in reversed(self._stores()):
+            for store in reversed(self._stores()):
                 store.restore(version, verify=False)  # verified chunk by chunk as it arrived
         self._mark("restore")
         self._pending_restore = None
@@ -576,7 +576,7 @@ class Job:
             self._reserve_replicas()
         if self.capture and step % self.snapshot_every == 0:
             self._start_replication()  # no optimizer hook ran (no optimizer tracked)
-            for store, _ in self._stores():
+            for store in self._stores():
                 store.snapshot(step)
             self._pending_replication = step
         if self.checkpoint_every and step % self.checkpoint_every == 0:
@@ -595,7 +595,7 @@ class Job:
         (it reads the live tensors); then stream it to the buddies in the background."""
         version, self._pending_replication = self._pending_replication, None
         if version is not None:
-            for store, _ in self._stores():
+            for store in self._stores():
                 store.wait()
             self.replication.replicate(version)  # data-parallel state has no buddies: nothing to send
 
@@ -611,16 +611,13 @@ class Job:
             if obj is not None:
                 self.snapshots.register_object(name, obj.state_dict, obj.load_state_dict)
         self.snapshots.register_object("rng", _rng_state, _set_rng_state)
-        for store, _ in self._stores():
+        for store in self._stores():
             store.allocate()
         self._registered = True
 
-    def _stores(self) -> List[Tuple[SnapshotStore, Optional[Replication]]]:
-        """(store, its replication) in use: this rank's own, then the data-parallel one."""
-        stores = [(self.snapshots, self.replication)]
-        if self._data_parallel:
-            stores.append((self.shared, self.shared_replication))
-        return stores
+    def _stores(self) -> List[SnapshotStore]:
+        """The stores in use: this rank's own, then the data-parallel one."""
+        return [self.snapshots, self.shared] if self._data_parallel else [self.snapshots]
 
     def _reserve_replicas(self, background: bool = False) -> None:
         """Account (and allocate) the replicas of the ranks this rank serves."""
@@ -638,7 +635,7 @@ class Job:
         import torch
 
         state: Dict[str, Any] = {}
-        for index, (store, _) in enumerate(self._stores()):
+        for index, store in enumerate(self._stores()):
             state.update({f"rank{self.rank}/{index}/{name}": owner for name, owner in store.owners().items()
                           if isinstance(owner, torch.Tensor)})
             state[f"rank{self.rank}/{index}/objects"] = store.capture_objects()
@@ -647,7 +644,7 @@ class Job:
     def _save_checkpoint(self, step: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        for store, _ in self._stores():
+        for store in self._stores():
             store.wait()
         dcp.save(self._checkpoint_state(), checkpoint_id=os.path.join(self.checkpoint_dir, f"step_{step:09d}"))
 
@@ -656,7 +653,7 @@ class Job:
 
         state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=path, no_dist=True)
-        for index, (store, _) in enumerate(self._stores()):
+        for index, store in enumerate(self._stores()):
             store.apply_objects(state[f"rank{self.rank}/{index}/objects"])
             store.drop_newer(step)  # the next snapshot is step + 1
 

@@ -63,15 +63,7 @@ class LocalJob:
     def wait_for(self, predicate: Callable[[], object], what: str, timeout: float = 90.0):
         """Poll ``predicate`` until it returns something true; TimeoutError or
         RuntimeError (every agent exited) otherwise."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            if self.agents and all(a.poll() is not None for a in self.agents):
-                raise RuntimeError(f"the job ended while waiting for {what}")
-            time.sleep(0.02)
-        raise TimeoutError(f"timed out waiting for {what}")
+        return wait_until(predicate, what, timeout, self.agents)
 
     def wait(self, timeout: float = 300.0, tick: Optional[Callable[[], None]] = None) -> List[int]:
         """Every agent's exit code (``tick`` is called while waiting)."""
@@ -93,6 +85,21 @@ class LocalJob:
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout: float,
+               processes: Sequence[subprocess.Popen], interval: float = 0.02):
+    """Poll ``predicate`` until it returns something true and return that;
+    RuntimeError once every one of ``processes`` exited, TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if processes and all(p.poll() is not None for p in processes):
+            raise RuntimeError(f"the job ended while waiting for {what}")
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def free_port() -> int:

@@ -27,22 +27,25 @@ import datetime
 import os
 import socket
 import threading
-from typing import Optional, Set
+from typing import Iterator, Optional, Set, Tuple
 
 from peerstate.errors import AbortedError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
 
 
-def _socket_inodes() -> Set[str]:
-    inodes = set()
+def _open_sockets() -> Iterator[Tuple[int, str]]:
+    """(descriptor, "socket:[inode]") for every socket this process has open now."""
     for fd in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue  # closed meanwhile (or the listdir's own descriptor)
         if link.startswith("socket:"):
-            inodes.add(link)
-    return inodes
+            yield int(fd), link
+
+
+def _socket_inodes() -> Set[str]:
+    return {inode for _, inode in _open_sockets()}
 
 
 class ProcessGroups:
@@ -120,13 +123,13 @@ class ProcessGroups:
 
 def _shutdown(inodes: Set[str]) -> None:
     """shutdown(2) the connected sockets among ``inodes`` (listening ones are left alone)."""
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") not in inodes:
-                continue
-            sock = socket.socket(fileno=os.dup(int(fd)))
-        except OSError:
+    for fd, inode in _open_sockets():
+        if inode not in inodes:
             continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # closed meanwhile
         try:
             if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 sock.shutdown(socket.SHUT_RDWR)

@@ -143,10 +143,7 @@ class Replication:
 
     def holdings(self) -> Dict[int, int]:
         """source rank -> the newest version committed here."""
-        newest: Dict[int, int] = {}
-        for source, version in self.replicas.committed():
-            newest[source] = max(version, newest.get(source, version))
-        return newest
+        return {source: max(versions) for source, versions in self.held_versions().items()}
 
     def held_versions(self) -> Dict[int, List[int]]:
         """source rank -> every version readable here: the newest, and the one before
