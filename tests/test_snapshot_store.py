@@ -178,6 +178,31 @@ def test_corrupted_snapshot_detected_and_live_untouched(store):
     assert torch.equal(t, good)
 
 
+def test_restore_writes_only_the_chunks_that_differ(store):
+    # chunk_bytes is 64 KiB here: "a" spans 4 chunks, "b" and "c" one each.
+    a, b, c = byte_tensor(4 * 65536, 1), byte_tensor(65536, 2), byte_tensor(65536, 3)
+    store.register_many({"a": a, "b": b, "c": c})
+    store.snapshot(1).wait()
+    saved = [t.clone() for t in (a, b, c)]
+    assert store.restore(1) == 0  # nothing changed: nothing written
+    a[65536 + 5] ^= 0xFF  # the second chunk of "a"
+    fill(c, 7)
+    assert store.restore(1) == 2 * 65536
+    assert all(torch.equal(t, s) for t, s in zip((a, b, c), saved))
+
+
+def test_corrupt_chunk_is_refused_even_where_the_rest_is_unchanged(store):
+    # A chunk equal to the live bytes is skipped unverified; a corrupted one no longer is.
+    t = byte_tensor(3 * 65536, 1)
+    store.register("t", t)
+    store.snapshot(1).wait()
+    live = t.clone()
+    store.stored_bytes(1)[store.version_info(1)["chunks"][2][0] + 3] ^= 0x10
+    with pytest.raises(peerstate.ChecksumMismatchError, match=r"version 1 is corrupt: chunk 2 "):
+        store.restore(1)
+    assert torch.equal(t, live)
+
+
 def test_restore_without_verify_skips_the_checksum_pass(store):
     # verify=False is for a version received a moment ago and verified chunk by chunk on
     # arrival; the same flipped bit that restore() refuses is then copied as it is.

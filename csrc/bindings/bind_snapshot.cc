@@ -69,7 +69,9 @@ void bind_snapshot(py::module_& m) {
            py::arg("version"), py::arg("after_stream") = 0)
       .def("wait", [](SnapshotStore& s) { call_without_gil([&] { return s.wait(); }); })
       .def("restore", [](SnapshotStore& s, int64_t version, bool verify) {
-        call_without_gil([&] { return s.restore(version, verify); });
+        size_t written = 0;
+        call_without_gil([&] { return s.restore(version, verify, &written); });
+        return written;
       }, py::arg("version"), py::arg("verify") = true)
       .def("drop_newer", [](SnapshotStore& s, int64_t version) {
         call_without_gil([&] { return s.drop_newer(version); });

@@ -378,13 +378,14 @@ void SnapshotStore::cancel_in_flight() {
   slots_[job->slot]->state = Slot::State::kEmpty;
 }
 
-Status SnapshotStore::verify(const Slot& slot) {
+Status SnapshotStore::verify(const Slot& slot, const std::vector<char>* only) {
   if (slot.checksums.empty()) return Status::Ok();
   const Layout& layout = *slot.layout;
   std::mutex mutex;
   size_t bad = layout.chunks.size();
   uint32_t bad_crc = 0;
   pool_->run(layout.chunks.size(), [&](size_t c) {
+    if (only != nullptr && !(*only)[c]) return;
     const uint32_t crc = chunk_checksum(layout, c, slot.region.data());
     if (crc != slot.checksums[c]) {
       std::lock_guard<std::mutex> lock(mutex);
@@ -410,13 +411,30 @@ Status SnapshotStore::verify(const Slot& slot) {
                     "restore another version or pull this one from a replica.");
 }
 
-Status SnapshotStore::copy_region_to_buffers(const Slot& slot) {
+std::vector<char> SnapshotStore::chunks_differing_from_buffers(const Slot& slot) {
+  const Layout& layout = *slot.layout;
+  std::vector<char> differs(layout.chunks.size(), 1);
+  pool_->run(layout.chunks.size(), [&](size_t c) {
+    const ChunkPlacement& chunk = layout.chunks[c];
+    if (chunk.device != kHostDevice) return;  // device memory is not compared: always copied
+    for (uint32_t s = 0; s < chunk.segment_count; s++) {
+      const Segment& seg = layout.segments[chunk.first_segment + s];
+      if (std::memcmp(live_ptrs_[seg.buffer] + seg.buffer_offset, slot.region.data() + seg.region_offset,
+                      seg.nbytes) != 0)
+        return;
+    }
+    differs[c] = 0;
+  });
+  return differs;
+}
+
+Status SnapshotStore::copy_region_to_buffers(const Slot& slot, const std::vector<char>* only) {
   const Layout& layout = *slot.layout;
   // The caller checked that `layout` matches layout_, so live_ptrs_ lines up with it.
   const std::vector<unsigned char*>& targets = live_ptrs_;
   pool_->run(layout.chunks.size(), [&](size_t c) {
     const ChunkPlacement& chunk = layout.chunks[c];
-    if (chunk.device != kHostDevice) return;
+    if (chunk.device != kHostDevice || (only != nullptr && !(*only)[c])) return;
     for (uint32_t s = 0; s < chunk.segment_count; s++) {
       const Segment& seg = layout.segments[chunk.first_segment + s];
       std::memcpy(targets[seg.buffer] + seg.buffer_offset, slot.region.data() + seg.region_offset,
@@ -437,7 +455,8 @@ Status SnapshotStore::copy_region_to_buffers(const Slot& slot) {
   return Status::Ok();
 }
 
-Status SnapshotStore::restore(int64_t version, bool verify) {
+Status SnapshotStore::restore(int64_t version, bool verify, size_t* bytes_written) {
+  if (bytes_written != nullptr) *bytes_written = 0;
   if (closed_) return Status(StatusCode::kInvalidArgument, "the snapshot store is closed");
   Slot* slot = nullptr;
   {
@@ -464,9 +483,13 @@ Status SnapshotStore::restore(int64_t version, bool verify) {
                       " does not match the registered buffers: " + diff +
                       ". Register the same buffers (names, sizes, devices) to restore it; the "
                       "live buffers were not changed.");
-  if (verify) PEERSTATE_RETURN_IF_ERROR(this->verify(*slot));
+  const std::vector<char> differs = chunks_differing_from_buffers(*slot);
+  if (verify) PEERSTATE_RETURN_IF_ERROR(this->verify(*slot, &differs));
   cancel_in_flight();
-  Status st = copy_region_to_buffers(*slot);
+  Status st = copy_region_to_buffers(*slot, &differs);
+  if (bytes_written != nullptr)
+    for (size_t c = 0; c < differs.size(); c++)
+      if (differs[c]) *bytes_written += slot->layout->chunks[c].nbytes;
   if (!st.ok())
     return Status(st.code(), "restore of version " + std::to_string(version) +
                                  " failed part way; the registered buffers are inconsistent: " +
@@ -570,6 +593,27 @@ Status SnapshotStore::begin_receive(int64_t version, std::shared_ptr<const Layou
   size_t target = 0;
   PEERSTATE_RETURN_IF_ERROR(reserve_slot(version, std::move(layout), &target));
   *region = slots_[target]->region.data();
+  return Status::Ok();
+}
+
+Status SnapshotStore::write_received_chunk(int64_t version, size_t c) {
+  const Slot* slot = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& s : slots_)
+      if (s->state == Slot::State::kInFlight && s->version == version && !in_flight_) slot = s.get();
+  }
+  if (slot == nullptr) return Status(StatusCode::kNotFound, "no version " + std::to_string(version) + " is being received");
+  const Layout& layout = *slot->layout;
+  if (c >= layout.chunks.size() || layout.chunks[c].device != kHostDevice)
+    return Status(StatusCode::kInvalidArgument, "chunk " + std::to_string(c) + " is not a host chunk of version " +
+                                                    std::to_string(version));
+  // begin_receive() checked that the layout matches the registration: live_ptrs_ lines up with it.
+  const ChunkPlacement& chunk = layout.chunks[c];
+  for (uint32_t s = 0; s < chunk.segment_count; s++) {
+    const Segment& seg = layout.segments[chunk.first_segment + s];
+    std::memcpy(live_ptrs_[seg.buffer] + seg.buffer_offset, slot->region.data() + seg.region_offset, seg.nbytes);
+  }
   return Status::Ok();
 }
 

@@ -102,7 +102,11 @@ class SnapshotStore {
   // buffers are untouched and every committed version is kept.
   // `verify` false skips the checksum pass: only for a version this process
   // received a moment ago, whose every chunk was verified as it arrived.
-  Status restore(int64_t version, bool verify = true);
+  // A host chunk whose bytes already equal the live buffers is neither verified
+  // nor copied (restoring it would change nothing): a rank rolling back one
+  // step mostly compares memory instead of checksumming and writing it.
+  // `bytes_written` (optional) receives how many bytes were copied back.
+  Status restore(int64_t version, bool verify = true, size_t* bytes_written = nullptr);
   // Cancels the in-flight version and forgets committed versions newer than
   // `version`, without touching the buffers: for state that was rolled back
   // by other means (a disk checkpoint of step `version`), so that the next
@@ -132,6 +136,13 @@ class SnapshotStore {
   // version is never the slot given out.
   Status begin_receive(int64_t version, std::shared_ptr<const Layout> layout, unsigned char** region);
   Status end_receive(int64_t version, const std::vector<uint32_t>& checksums, bool ok);
+  // Between the two: copies chunk `chunk` of the version being received (its
+  // bytes landed and were verified) into the registered buffers, so that a
+  // rank whose buffers hold nothing yet needs no restore() afterwards. Thread-
+  // safe for different chunks. Host chunks only (kInvalidArgument otherwise).
+  // Unlike restore(), this writes the buffers before the whole version is in:
+  // a pull that fails leaves them part written.
+  Status write_received_chunk(int64_t version, size_t chunk);
   const SnapshotStoreOptions& options() const { return options_; }
 
  private:
@@ -146,8 +157,11 @@ class SnapshotStore {
   // flight and readies its region for `layout`; on error the slot stays free.
   Status reserve_slot(int64_t version, std::shared_ptr<const Layout> layout, size_t* slot);
   void copy_chunk_to_region(InFlight& job, size_t chunk);
-  Status verify(const Slot& slot);
-  Status copy_region_to_buffers(const Slot& slot);
+  // `only` (optional, one flag per chunk): the chunks to check or copy.
+  Status verify(const Slot& slot, const std::vector<char>* only = nullptr);
+  Status copy_region_to_buffers(const Slot& slot, const std::vector<char>* only = nullptr);
+  // Per chunk: 1 unless it is a host chunk whose bytes equal the live buffers'.
+  std::vector<char> chunks_differing_from_buffers(const Slot& slot);
   void finish_in_flight(InFlight& job);
   void cancel_in_flight();
 

@@ -47,9 +47,10 @@ class SnapshotStore:
         """Start copying as `version` and return; waits first for a version in flight."""
     def wait(self) -> None:
         """Block (GIL released) until the version in flight commits; raise its error."""
-    def restore(self, version: int, verify: bool = True) -> None:
+    def restore(self, version: int, verify: bool = True) -> int:
         """Verify (unless verify=False: a version just received, verified on arrival), then copy a
-        committed version into the buffers; nothing written on error."""
+        committed version into the buffers; nothing written on error. Host chunks equal to the
+        live bytes are skipped. Returns the bytes written."""
     def drop_newer(self, version: int) -> None:
         """Cancel the in-flight version and forget committed versions newer than
         ``version``; the buffers are not touched."""
@@ -162,8 +163,10 @@ class Replicator:
     def replicate(self, version: int, holders: List[int]) -> None: ...
     def wait(self, version: int) -> List[Tuple[int, Optional[Error]]]: ...
     def in_flight_version(self) -> Optional[int]: ...
-    def pull(self, sources: List[Tuple[int, int]], version: int = -1) -> int:
-        """(peer, whose state) pairs; lands a committed version in the store; returns it."""
+    def pull(self, sources: List[Tuple[int, int]], version: int = -1, write_through: bool = False) -> int:
+        """(peer, whose state) pairs; lands a committed version in the store; returns it.
+        write_through: also copy each verified chunk into the registered (host) buffers
+        as it lands; a failed pull then leaves them part written."""
 
 def hmac_sha256(key: bytes, data: bytes) -> bytes: ...
 def nccl_load() -> Dict[str, Any]:

@@ -71,6 +71,10 @@ class ProcessGroups:
             if self._abort_epoch > epoch:
                 raise AbortedError(f"epoch {self._abort_epoch} began before the group of epoch {epoch} formed")
             self._forming = _socket_inodes() - before
+        # torch names the default group after a per-process counter, reset only when a
+        # formed group is destroyed: a rendezvous aborted part way leaves it counted up,
+        # and this rank would then wait under another name than a fresh spare's.
+        dist.distributed_c10d._world.group_count = 0
         try:
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{epoch}/", rendezvous), rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=timeout))

@@ -74,7 +74,7 @@ class Replication:
         self._addresses: Dict[int, Address] = {}
         self.transport = _C.TcpTransport(**self._transport_options)
         self.replicator = _C.Replicator(store.native, self.transport, rank)
-        store.add_pre_snapshot_hook(self._wait_in_flight)
+        store.add_pre_snapshot_hook(self._wait_before_snapshot)
 
     @property
     def address(self) -> Address:
@@ -124,21 +124,33 @@ class Replication:
                     raise type(error)(f"replication of version {version} to rank {holder} failed: {error}")
         return results
 
-    def pull(self, rank: int, version: int = -1, sources: Optional[List[int]] = None) -> int:
+    def pull(self, rank: int, version: int = -1, sources: Optional[List[int]] = None, *,
+             write_through: bool = False) -> int:
         """Fetch ``rank``'s state (``version``, or the newest its first source has) from its
         sources, chunks split among them, into this rank's store as a committed version.
-        Does not restore it. Returns the version."""
+        Does not restore it (``write_through``: also copies each chunk into the host
+        buffers as it lands, see ``recover``). Returns the version."""
         peers = self.placement.sources(rank) if sources is None else sources
         group = set(self.placement.replica_group(rank))
         pairs = [(p, p if p in group else rank) for p in peers if p != self.rank]
         if not pairs:
             raise InvalidArgumentError(f"rank {rank} has no source other than this rank")
-        return self.replicator.pull(pairs, version)
+        return self.replicator.pull(pairs, version, write_through)
 
     def recover(self, rank: int, version: int = -1, sources: Optional[List[int]] = None) -> int:
-        """pull() then restore into the registered buffers. Returns the version restored."""
-        pulled = self.pull(rank, version, sources)
-        self.store.restore(pulled)
+        """Become ``rank``: pull its state and load it into the registered buffers.
+        Returns the version.
+
+        For a rank that has no state of its own yet (a replacement): host buffers are
+        written chunk by chunk as each chunk arrives verified, so loading overlaps the
+        transfer; device buffers are restored after it, without a second checksum
+        pass. If the pull fails the buffers may be part written; pull again."""
+        if self.store.on_device():
+            pulled = self.pull(rank, version, sources)
+            self.store.restore(pulled, verify=False)  # every chunk was verified as it arrived
+        else:
+            pulled = self.pull(rank, version, sources, write_through=True)
+            self.store.adopt(pulled)
         return pulled
 
     def holdings(self) -> Dict[int, int]:
@@ -161,4 +173,17 @@ class Replication:
     def _wait_in_flight(self) -> None:
         version = self.replicator.in_flight_version()
         if version is not None:
+            self.replicator.wait(version)
+
+    def _wait_before_snapshot(self) -> None:
+        """The next snapshot may reuse the slot of any version but the newest committed
+        one: wait for the round in flight only when it sends an older version. The
+        usual round (the newest, started before optimizer.step()) then goes on during
+        the next step instead of holding up this step's end."""
+        version = self.replicator.in_flight_version()
+        if version is None:
+            return
+        native = self.store.native
+        versions = [*native.committed_versions(), native.in_flight_version()]
+        if version < max((v for v in versions if v is not None), default=version + 1):
             self.replicator.wait(version)

@@ -166,13 +166,14 @@ class SnapshotStore:
         """Block until the version in flight (if any) commits; raise its error."""
         self._native.wait()
 
-    def restore(self, version: int, verify: bool = True) -> None:
+    def restore(self, version: int, verify: bool = True) -> int:
         """Copy committed ``version`` back into the registered buffers and objects.
 
         Checksums are verified first: on any error nothing is written. Versions
         newer than ``version`` are dropped and the one in flight is cancelled.
         ``verify=False`` skips that pass, for a version this process received a
-        moment ago (every chunk was verified as it arrived).
+        moment ago (every chunk was verified as it arrived). Host chunks whose
+        bytes already equal the live ones are left alone. Returns the bytes written.
         """
         self._check_registration()
         if self._objects:
@@ -183,9 +184,22 @@ class SnapshotStore:
                     f"version {version} holds no value for object(s) {missing}; it was taken before "
                     "they were registered. The live state was not changed."
                 )
-        self._native.restore(version, verify)
+        written = self._native.restore(version, verify)
         if self._objects:
             self.apply_objects(self._read_objects(memoryview(self._object_bytes)))
+        return written
+
+    def adopt(self, version: int) -> None:
+        """The registered buffers already hold committed ``version``: a write-through
+        pull copied it into them as it arrived (``Replication.recover``). Apply its
+        objects and resume from it, as :meth:`restore` would, without copying."""
+        self._native.drop_newer(version)
+        if self._objects:
+            self.apply_objects(self._read_objects(memoryview(self._object_bytes)))
+
+    def on_device(self) -> bool:
+        """True when some registered buffer is in CUDA device memory."""
+        return any(b.device >= 0 for b in self._buffers.values())
 
     def drop_newer(self, version: int) -> None:
         """Forget versions newer than ``version`` (and the one in flight) without
@@ -242,7 +256,7 @@ class SnapshotStore:
                 )
 
     def _after_stream(self) -> int:
-        if not any(b.device >= 0 for b in self._buffers.values()):
+        if not self.on_device():
             return 0
         torch = sys.modules.get("torch")
         if torch is None or not torch.cuda.is_available():
