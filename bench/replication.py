@@ -2,9 +2,10 @@
 
 Push: a rank's committed version to one holder (replicate + wait), with 1, 2
 and 4 connections. Pull: a fresh rank fetches that state from one and two
-holders into its store (every chunk verified on arrival); recover: the pull
-plus restore() into its tensors (verify again, copy). The fresh rank's store
-memory is allocated beforehand, as a hot spare's would be. The limit,
+holders into its store (every chunk verified on arrival); recover: what a
+replacement does, ``recover()``: the pull, then ``restore()`` into its tensors
+without a second checksum pass. The fresh rank's store memory is allocated
+beforehand, as a hot spare's would be. The limit,
 measured in the same run, is plain TCP over loopback with the same number of
 connections: ``socket.sendall`` / ``recv_into`` of the same bytes, no
 handshake, no checksums, no bookkeeping. Everything runs in one process on
@@ -124,19 +125,21 @@ def run(size_mib: int, repeats: int) -> list:
                 for sources in ([1], [1, 2]):
                     best_pull = best_recover = float("inf")
                     for _ in range(repeats):
-                        fresh = Rank(0, placement, secret, nbytes, connections, fill=False)
-                        fresh.store.allocate()  # a hot spare's memory is ready before the failure
-                        fresh.repl.connect(addresses)
-                        start = time.perf_counter()
-                        version = fresh.repl.pull(0, sources=sources)
-                        pulled = time.perf_counter()
-                        fresh.store.restore(version)
-                        best_pull = min(best_pull, pulled - start)
-                        best_recover = min(best_recover, time.perf_counter() - start)
-                        assert torch.equal(fresh.tensor, ranks[0].tensor)
-                        fresh.close()
-                        del fresh
-                        gc.collect()
+                        for what in ("pull", "recover"):
+                            fresh = Rank(0, placement, secret, nbytes, connections, fill=False)
+                            fresh.store.allocate()  # a hot spare's memory is ready before the failure
+                            fresh.repl.connect(addresses)
+                            start = time.perf_counter()
+                            if what == "pull":
+                                fresh.repl.pull(0, sources=sources)
+                                best_pull = min(best_pull, time.perf_counter() - start)
+                            else:
+                                fresh.repl.recover(0, sources=sources)
+                                best_recover = min(best_recover, time.perf_counter() - start)
+                                assert torch.equal(fresh.tensor, ranks[0].tensor)
+                            fresh.close()
+                            del fresh
+                            gc.collect()
                     for what, seconds in (("pull", best_pull), ("recover", best_recover)):
                         rows.append(dict(case=f"{what} {size_mib}MiB from {len(sources)} x{connections} conn",
                                          ours_GBps=nbytes / seconds / 1e9, limit_GBps=limit,

@@ -1,5 +1,6 @@
 """The snapshot store through its public API, on host memory."""
 
+import time
 import warnings
 
 import numpy as np
@@ -189,6 +190,17 @@ def test_restore_writes_only_the_chunks_that_differ(store):
     fill(c, 7)
     assert store.restore(1) == 2 * 65536
     assert all(torch.equal(t, s) for t, s in zip((a, b, c), saved))
+
+
+def test_restore_keeps_a_version_that_committed_before_anyone_waited(store):
+    t = byte_tensor(300_000, 1)
+    store.register("t", t)
+    store.snapshot(1)
+    while store.in_flight_version() is not None:  # committed; wait() never called
+        time.sleep(0.001)
+    store.restore(1)
+    assert store.committed_versions() == [1]
+    store.restore(1)
 
 
 def test_corrupt_chunk_is_refused_even_where_the_rest_is_unchanged(store):

@@ -189,14 +189,14 @@ void bind_replication(py::module_& m) {
         return v < 0 ? py::none() : py::cast(v);
       })
       .def("pull",
-           [](Replicator& r, const std::vector<std::pair<int, int>>& sources, int64_t version, bool write_through) {
+           [](Replicator& r, const std::vector<std::pair<int, int>>& sources, int64_t version) {
              std::vector<PullSource> from;
              for (const auto& [peer, rank] : sources) from.push_back(PullSource{peer, rank});
              int64_t pulled = -1;
-             call_without_gil([&] { return r.pull(from, version, &pulled, write_through); });
+             call_without_gil([&] { return r.pull(from, version, &pulled); });
              return pulled;
            },
-           py::arg("sources"), py::arg("version") = -1, py::arg("write_through") = false);
+           py::arg("sources"), py::arg("version") = -1);
 
   m.def("hmac_sha256", [](const py::bytes& key, const py::bytes& data) {
     std::string k = key, d = data;

@@ -1,8 +1,6 @@
 #include "core/replication.h"
 
 #include <algorithm>
-#include <functional>
-#include <string>
 
 namespace peerstate {
 
@@ -67,8 +65,7 @@ int64_t Replicator::in_flight_version() const {
   return round_ && !round_->joined ? round_->version : -1;
 }
 
-Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled,
-                        bool write_through) {
+Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled) {
   if (sources.empty()) return Status(StatusCode::kNotFound, "no source to pull from");
   // One metadata round trip to the first source that answers; then every
   // source serves chunks. One that lacks the version fails its first chunk
@@ -87,24 +84,9 @@ Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version,
   if (!meta.layout)
     return only_not_found ? Status(StatusCode::kNotFound, "no source holds " + what + failures)
                           : Status(StatusCode::kConnectionError, "pull of " + what + " failed: no source left" + failures);
-  if (write_through)
-    for (const ChunkPlacement& chunk : meta.layout->chunks)
-      if (chunk.device != kHostDevice)
-        return Status(StatusCode::kInvalidArgument,
-                      "write-through pulls need host buffers; " + what + " has device chunks: pull, then restore()");
   unsigned char* region = nullptr;
   PEERSTATE_RETURN_IF_ERROR(store_->begin_receive(meta.version, meta.layout, &region));
-  std::mutex write_mutex;
-  Status write_error;
-  std::function<void(uint32_t)> write_back;
-  if (write_through)
-    write_back = [&](uint32_t c) {
-      Status st = store_->write_received_chunk(meta.version, c);
-      if (st.ok()) return;
-      std::lock_guard<std::mutex> lock(write_mutex);
-      if (write_error.ok()) write_error = st;
-    };
-  ChunkQueue queue(meta.layout->chunks.size(), std::move(write_back));
+  ChunkQueue queue(meta.layout->chunks.size());
   std::vector<Status> results(sources.size());
   std::vector<std::thread> threads;
   for (size_t i = 0; i < sources.size(); i++)
@@ -122,10 +104,6 @@ Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version,
     return Status(StatusCode::kConnectionError,
                   "pull of " + what + " failed with " + std::to_string(meta.layout->chunks.size() - queue.done_count()) +
                       " of " + std::to_string(meta.layout->chunks.size()) + " chunks missing: no source left" + why);
-  }
-  if (!write_error.ok()) {
-    (void)store_->end_receive(meta.version, meta.checksums, false);
-    return Status(write_error.code(), "pull of " + what + " failed writing into the buffers: " + write_error.message());
   }
   PEERSTATE_RETURN_IF_ERROR(store_->end_receive(meta.version, meta.checksums, true));
   *pulled = meta.version;

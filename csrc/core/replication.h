@@ -60,13 +60,7 @@ class Replicator {
   // serving chunks at once. Returns the version pulled. kNotFound when no
   // source has it; kConnectionError, naming each source's failure, when the
   // sources died before every chunk arrived.
-  // With `write_through`, each chunk is also copied into the store's registered
-  // buffers as soon as it is verified (SnapshotStore::write_received_chunk):
-  // for a replacement, whose buffers hold nothing yet, this overlaps the
-  // restore with the transfer and reads each chunk while it is still in cache.
-  // Host buffers only; a failed pull then leaves the buffers part written.
-  Status pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled,
-              bool write_through = false);
+  Status pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled);
 
  private:
   struct Round;

@@ -374,8 +374,10 @@ void SnapshotStore::cancel_in_flight() {
   // before anyone reuses it.
   for (size_t c = 0; c < job->layout->chunks.size(); c++)
     if (job->layout->chunks[c].device != kHostDevice) (void)device_->wait_to_host(c);
+  // A version that committed before the cancel (nobody called wait() yet) stays committed.
   std::lock_guard<std::mutex> lock(mutex_);
-  slots_[job->slot]->state = Slot::State::kEmpty;
+  Slot& slot = *slots_[job->slot];
+  if (slot.state == Slot::State::kInFlight) slot.state = Slot::State::kEmpty;
 }
 
 Status SnapshotStore::verify(const Slot& slot, const std::vector<char>* only) {
@@ -593,27 +595,6 @@ Status SnapshotStore::begin_receive(int64_t version, std::shared_ptr<const Layou
   size_t target = 0;
   PEERSTATE_RETURN_IF_ERROR(reserve_slot(version, std::move(layout), &target));
   *region = slots_[target]->region.data();
-  return Status::Ok();
-}
-
-Status SnapshotStore::write_received_chunk(int64_t version, size_t c) {
-  const Slot* slot = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& s : slots_)
-      if (s->state == Slot::State::kInFlight && s->version == version && !in_flight_) slot = s.get();
-  }
-  if (slot == nullptr) return Status(StatusCode::kNotFound, "no version " + std::to_string(version) + " is being received");
-  const Layout& layout = *slot->layout;
-  if (c >= layout.chunks.size() || layout.chunks[c].device != kHostDevice)
-    return Status(StatusCode::kInvalidArgument, "chunk " + std::to_string(c) + " is not a host chunk of version " +
-                                                    std::to_string(version));
-  // begin_receive() checked that the layout matches the registration: live_ptrs_ lines up with it.
-  const ChunkPlacement& chunk = layout.chunks[c];
-  for (uint32_t s = 0; s < chunk.segment_count; s++) {
-    const Segment& seg = layout.segments[chunk.first_segment + s];
-    std::memcpy(live_ptrs_[seg.buffer] + seg.buffer_offset, slot->region.data() + seg.region_offset, seg.nbytes);
-  }
   return Status::Ok();
 }
 

@@ -136,13 +136,6 @@ class SnapshotStore {
   // version is never the slot given out.
   Status begin_receive(int64_t version, std::shared_ptr<const Layout> layout, unsigned char** region);
   Status end_receive(int64_t version, const std::vector<uint32_t>& checksums, bool ok);
-  // Between the two: copies chunk `chunk` of the version being received (its
-  // bytes landed and were verified) into the registered buffers, so that a
-  // rank whose buffers hold nothing yet needs no restore() afterwards. Thread-
-  // safe for different chunks. Host chunks only (kInvalidArgument otherwise).
-  // Unlike restore(), this writes the buffers before the whole version is in:
-  // a pull that fails leaves them part written.
-  Status write_received_chunk(int64_t version, size_t chunk);
   const SnapshotStoreOptions& options() const { return options_; }
 
  private:

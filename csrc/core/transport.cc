@@ -2,8 +2,7 @@
 
 namespace peerstate {
 
-ChunkQueue::ChunkQueue(size_t count, std::function<void(uint32_t)> on_complete)
-    : count_(count), on_complete_(std::move(on_complete)) {
+ChunkQueue::ChunkQueue(size_t count) : count_(count) {
   free_.reserve(count);
   for (size_t i = count; i > 0; i--) free_.push_back(static_cast<uint32_t>(i - 1));  // chunk 0 first
 }
@@ -27,8 +26,7 @@ bool ChunkQueue::try_take(uint32_t* chunk) {
   return true;
 }
 
-void ChunkQueue::complete(uint32_t chunk) {
-  if (on_complete_) on_complete_(chunk);
+void ChunkQueue::complete(uint32_t) {
   std::lock_guard<std::mutex> lock(mutex_);
   in_progress_--;
   done_++;

@@ -28,7 +28,6 @@
 
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <vector>
 
@@ -40,10 +39,7 @@ namespace peerstate {
 // Chunks still to move, shared by the workers of one or more transfers.
 class ChunkQueue {
  public:
-  // `on_complete` (optional) runs in complete(), on the worker's thread and
-  // outside the queue's lock, before the chunk counts as done: workers call it
-  // concurrently for different chunks.
-  explicit ChunkQueue(size_t count, std::function<void(uint32_t)> on_complete = nullptr);
+  explicit ChunkQueue(size_t count);
   // Hands out a chunk. Blocks while none is free but some are still in
   // progress (they may be given back); false once every chunk is done.
   bool take(uint32_t* chunk);
@@ -61,7 +57,6 @@ class ChunkQueue {
   size_t in_progress_ = 0;
   size_t done_ = 0;
   const size_t count_;
-  const std::function<void(uint32_t)> on_complete_;
 };
 
 struct TransferPlan {

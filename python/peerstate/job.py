@@ -553,14 +553,13 @@ class Job:
             self._load_checkpoint(where, version)
             self._mark("transfer")
         else:
-            # Chunks land straight in the tensors (recover()): the restore rides on the
-            # transfer, so the "restore" phase of a replacement is only the objects.
-            # Shared state first: its objects (scheduler) before this rank's (RNG).
             own_sources, shared_sources = where
+            self.replication.pull(self.rank, version, sources=own_sources)
             if self._data_parallel:
-                self.shared_replication.recover(self.rank, version, sources=shared_sources)
-            self.replication.recover(self.rank, version, sources=own_sources)
+                self.shared_replication.pull(self.rank, version, sources=shared_sources)
             self._mark("transfer")
+            for store in reversed(self._stores()):  # shared first: its objects (scheduler) before RNG
+                store.restore(version, verify=False)  # verified chunk by chunk as it arrived
         self._mark("restore")
         self._pending_restore = None
         self._needs_state = False

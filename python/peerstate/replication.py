@@ -124,33 +124,22 @@ class Replication:
                     raise type(error)(f"replication of version {version} to rank {holder} failed: {error}")
         return results
 
-    def pull(self, rank: int, version: int = -1, sources: Optional[List[int]] = None, *,
-             write_through: bool = False) -> int:
+    def pull(self, rank: int, version: int = -1, sources: Optional[List[int]] = None) -> int:
         """Fetch ``rank``'s state (``version``, or the newest its first source has) from its
         sources, chunks split among them, into this rank's store as a committed version.
-        Does not restore it (``write_through``: also copies each chunk into the host
-        buffers as it lands, see ``recover``). Returns the version."""
+        Does not restore it. Returns the version."""
         peers = self.placement.sources(rank) if sources is None else sources
         group = set(self.placement.replica_group(rank))
         pairs = [(p, p if p in group else rank) for p in peers if p != self.rank]
         if not pairs:
             raise InvalidArgumentError(f"rank {rank} has no source other than this rank")
-        return self.replicator.pull(pairs, version, write_through)
+        return self.replicator.pull(pairs, version)
 
     def recover(self, rank: int, version: int = -1, sources: Optional[List[int]] = None) -> int:
-        """Become ``rank``: pull its state and load it into the registered buffers.
-        Returns the version.
-
-        For a rank that has no state of its own yet (a replacement): host buffers are
-        written chunk by chunk as each chunk arrives verified, so loading overlaps the
-        transfer; device buffers are restored after it, without a second checksum
-        pass. If the pull fails the buffers may be part written; pull again."""
-        if self.store.on_device():
-            pulled = self.pull(rank, version, sources)
-            self.store.restore(pulled, verify=False)  # every chunk was verified as it arrived
-        else:
-            pulled = self.pull(rank, version, sources, write_through=True)
-            self.store.adopt(pulled)
+        """pull() then restore into the registered buffers, without a second checksum
+        pass (every chunk was verified as it arrived). Returns the version restored."""
+        pulled = self.pull(rank, version, sources)
+        self.store.restore(pulled, verify=False)
         return pulled
 
     def holdings(self) -> Dict[int, int]:

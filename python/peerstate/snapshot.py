@@ -189,18 +189,6 @@ class SnapshotStore:
             self.apply_objects(self._read_objects(memoryview(self._object_bytes)))
         return written
 
-    def adopt(self, version: int) -> None:
-        """The registered buffers already hold committed ``version``: a write-through
-        pull copied it into them as it arrived (``Replication.recover``). Apply its
-        objects and resume from it, as :meth:`restore` would, without copying."""
-        self._native.drop_newer(version)
-        if self._objects:
-            self.apply_objects(self._read_objects(memoryview(self._object_bytes)))
-
-    def on_device(self) -> bool:
-        """True when some registered buffer is in CUDA device memory."""
-        return any(b.device >= 0 for b in self._buffers.values())
-
     def drop_newer(self, version: int) -> None:
         """Forget versions newer than ``version`` (and the one in flight) without
         touching the buffers: after state was rolled back by other means, e.g. a
@@ -256,7 +244,7 @@ class SnapshotStore:
                 )
 
     def _after_stream(self) -> int:
-        if not self.on_device():
+        if not any(b.device >= 0 for b in self._buffers.values()):
             return 0
         torch = sys.modules.get("torch")
         if torch is None or not torch.cuda.is_available():
