@@ -490,11 +490,17 @@ class Job:
             self._load_checkpoint(where, version)
             self._mark("restore")
         else:
-            for store in reversed(self._stores()):  # shared first: its objects (scheduler) before RNG
-                if store.in_flight_version() == version:
-                    store.wait()
-                store.restore(version)  # cancels a newer version in flight
+            self._restore_stores(version)
             self._mark("restore")
+
+    def _restore_stores(self, version: int, verify: bool = True) -> None:
+        """Restore ``version`` from every store in use, the data-parallel one first: its
+        objects (scheduler) are applied before this rank's own (RNG). A newer version
+        in flight is cancelled; ``version`` itself, if in flight, is waited for."""
+        for store in reversed(self._stores()):
+            if store.in_flight_version() == version:
+                store.wait()
+            store.restore(version, verify=verify)
 
     def _gather_reports(self, epoch: int) -> Dict[int, MemberReport]:
         keys = [f"epoch/{epoch}/report/{r}" for r in range(self.world_size)]
@@ -558,8 +564,7 @@ class Job:
             if self._data_parallel:
                 self.shared_replication.pull(self.rank, version, sources=shared_sources)
             self._mark("transfer")
-            for store in reversed(self._stores()):  # shared first: its objects (scheduler) before RNG
-                store.restore(version, verify=False)  # verified chunk by chunk as it arrived
+            self._restore_stores(version, verify=False)  # verified chunk by chunk as it arrived
         self._mark("restore")
         self._pending_restore = None
         self._needs_state = False
