@@ -1,6 +1,9 @@
 """The coordinator's rules over a real TCPStore: one plan per epoch however many
 agents report at once, spares claimed once, and the recovery point."""
 
+import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -8,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from peerstate import BuddyPlacement, JobFailedError  # noqa: E402
-from peerstate.coordinator import Coordinator, MemberReport, recovery_point, sources_of  # noqa: E402
+from peerstate.coordinator import Coordinator, MemberReport, RecoveryPlan, recovery_point, sources_of  # noqa: E402
 from peerstate.kvstore import TorchKeyValueStore  # noqa: E402
 from peerstate.timeline import recovery_timeline  # noqa: E402
 
@@ -94,6 +97,59 @@ def test_a_dead_spare_that_was_assigned_is_a_failure_of_its_rank(kv):
     plan = c.report_failure(["n1.1"], "killed", detected_at=1.0, me="a")
     assert plan.replaced == {3: "n1.2"}
     assert c.spare_gone("n1.2") == (1, 3)
+
+
+# A plan writer on node 1 (its own process and store connection): wins epoch 1,
+# claims its node's spare, says so, and waits to be killed before it writes the plan.
+LOST_WRITER = """
+import sys, time
+from peerstate.kvstore import TorchKeyValueStore
+kv = TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=10)
+assert kv.compare_set("epoch/1/owner", b"", b"agent1") == b"agent1"
+assert kv.compare_set("spare/n1.2", b"ready", b"assigned:1:2") == b"assigned:1:2"
+print("claimed", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_plan_writer_lost_before_its_plan_is_taken_over(kv):
+    c = coordinator(kv, spares=("n0.2", "n0.3", "n1.2"))
+    writer = subprocess.Popen([sys.executable, "-c", LOST_WRITER, str(kv.port)], stdout=subprocess.PIPE)
+    try:
+        assert writer.stdout.readline() == b"claimed\n"
+    finally:
+        writer.kill()
+        writer.wait()
+    done = []
+    waiter = threading.Thread(target=lambda: done.append(Coordinator(kv.clone()).report_failure(
+        ["n1.0", "n1.1"], "node 1 lost", detected_at=1.0, me="agent0", spare_timeout=5, writer_grace=10)))
+    waiter.start()
+    waiter.join(timeout=1.0)
+    assert waiter.is_alive()  # node 1 is not declared lost yet: its writer may still finish
+    c.mark_node_dead(1)  # what agent 0's lease watch does once node 1's lease expires
+    waiter.join(timeout=10)
+    plan = done[0]
+    assert plan.epoch == 1 and plan.failed == [2, 3]
+    assert sorted(plan.replaced.values()) == ["n0.2", "n0.3"]
+    assert kv.get("epoch/1/owner") == b"agent0"
+    assert kv.get("spare/n1.2") == b"assigned:1:2"  # the lost writer's claim stays out of the pool
+
+
+def test_a_silent_plan_writer_on_a_live_node_is_a_clear_error(kv):
+    c = coordinator(kv)
+    kv.compare_set("epoch/1/owner", b"", b"agent1")
+    with pytest.raises(JobFailedError, match="agent1 began epoch 1's recovery plan but neither wrote it nor was"):
+        c.report_failure(["n1.0"], "killed", detected_at=1.0, me="agent0", spare_timeout=0.2, writer_grace=0.5)
+    assert kv.get("epoch/1/owner") == b"agent1" and kv.get("epoch/1/plan") is None
+
+
+def test_a_spare_named_by_a_plan_learns_its_rank_even_if_the_writer_died(kv):
+    c = coordinator(kv)
+    plan = RecoveryPlan(1, {**MEMBERS, 2: "n1.2"}, {2: "n1.2"}, [2], "killed", 1.0, 2.0)
+    kv.set("epoch/1/plan", plan.encode())  # written; its writer died before the assign keys
+    assert c.assignments(["n0.2", "n1.2"]) == {"n1.2": 2}
+    assert json.loads(kv.get("assign/n1.2")) == {"epoch": 1, "rank": 2}
+    assert kv.get("assign/n0.2") is None
 
 
 def report(rank, local=(), replicas=None, needs_state=False):

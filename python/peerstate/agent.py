@@ -87,6 +87,7 @@ class _Process:
         self.heartbeat_at = time.monotonic()
         self.ticked = False                # it reached peerstate.Job()
         self.hung = False
+        self.claimed = False               # a spare a planner claimed, not yet named by a plan
 
 
 class Agent:
@@ -308,7 +309,8 @@ class Agent:
                     # Its own connection: waits on this one must not delay the lease on the main one.
                     coordinator = Coordinator(self.kv.clone())
                     plan = coordinator.report_failure(workers, reason, detected_at=detected_at, me=self.name,
-                                                      spare_timeout=self.config.spare_timeout)
+                                                      spare_timeout=self.config.spare_timeout,
+                                                      writer_grace=self.config.lease_timeout + 30)
                 if plan is not None:
                     self.events.write("plan", epoch=plan.epoch, failed=plan.failed, replaced=plan.replaced,
                                       reason=plan.reason, detected_at=plan.detected_at, planned_at=plan.planned_at)
@@ -320,14 +322,20 @@ class Agent:
         threading.Thread(target=report, name="peerstate-report", daemon=True).start()
 
     def _follow_spares(self) -> None:
-        """Learn which of this node's spares became workers (then they are watched for hangs)."""
-        waiting = [p for p in self.processes.values() if p.rank is None]
+        """Learn which of this node's spares a planner claimed (they no longer count as
+        waiting) and which became workers (then they are watched for hangs): the ones
+        the latest plan names, whether or not its writer lived on to write their
+        assign keys (``Coordinator.assignments`` writes them then)."""
+        waiting = {p.worker: p for p in self.processes.values() if p.rank is None}
         if not waiting:
             return
-        states = self.kv.get_many([f"spare/{p.worker}" for p in waiting])
-        for process, state in zip(waiting, states):
-            if state and state.startswith(b"assigned:"):
-                process.rank = int(state.decode().split(":")[2])
+        states = self.kv.get_many([f"spare/{w}" for w in waiting])
+        for process, state in zip(waiting.values(), states):
+            process.claimed = bool(state and state.startswith(b"assigned:"))
+        claimed = [w for w, p in waiting.items() if p.claimed]
+        if claimed:
+            for worker, rank in self.coordinator.assignments(claimed).items():
+                waiting[worker].rank = rank
 
     def _check_hangs(self, now: float) -> None:
         for process in self.processes.values():
@@ -367,7 +375,7 @@ class Agent:
         """Keep --spares spares waiting, but not while a recovery runs (a starting
         Python process takes a CPU-second or two from it) unless a planner is
         waiting for a spare."""
-        waiting = sum(1 for p in self.processes.values() if p.rank is None)
+        waiting = sum(1 for p in self.processes.values() if p.rank is None and not p.claimed)
         if waiting >= self.config.spares:
             return
         wanted = self.kv.add("spares/wanted", 0)

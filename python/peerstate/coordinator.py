@@ -7,6 +7,14 @@ next epoch's plan; ``compare_set`` on the epoch's owner key makes exactly one
 writer win, and a loser whose failure the winning plan does not cover tries
 the epoch after. Workers learn of an epoch by waiting on its plan key.
 
+A writer can die part way (its node lost during a recovery). Before its plan
+is written: a loser waiting for that plan takes the epoch over (compare_set
+of the owner key from the lost writer to itself) once the writer's node is
+declared dead, and writes the plan itself; a spare the lost writer had
+claimed stays out of the pool. After its plan but before the assign keys: the
+plan is the truth, and the agent of a named spare writes its key (see
+``assignments``).
+
 Keys (all under the store given)::
 
     config                      the job's shape, set by the first agent
@@ -38,6 +46,12 @@ from peerstate.placement import BuddyPlacement
 
 def node_of_worker(worker: str) -> int:
     return int(worker[1:].split(".")[0])
+
+
+def node_of_agent(agent: str) -> Optional[int]:
+    """The node of an agent named ``agent{node}`` (None for any other writer name)."""
+    suffix = agent[len("agent"):]
+    return int(suffix) if agent.startswith("agent") and suffix.isdigit() else None
 
 
 @dataclass
@@ -201,11 +215,15 @@ class Coordinator:
 
     # -- failures --------------------------------------------------------------------
     def report_failure(self, workers: Iterable[str], reason: str, *, detected_at: float,
-                       me: str, spare_timeout: float = 30.0) -> Optional[RecoveryPlan]:
+                       me: str, spare_timeout: float = 30.0, writer_grace: float = 30.0) -> Optional[RecoveryPlan]:
         """Replace the ranks the dead ``workers`` hold. Returns the plan that does so
         (this caller's or a concurrent one's), or None if none of them is a member.
 
-        Raises JobFailedError when no spare becomes ready within ``spare_timeout``.
+        Blocks while another writer holds the epoch, up to ``spare_timeout +
+        writer_grace`` (it may be waiting for a spare), and takes the epoch over if
+        that writer's node is declared dead first. Raises JobFailedError when no
+        spare becomes ready within ``spare_timeout``, or when the other writer
+        neither writes its plan nor is declared dead in time.
         """
         dead = set(workers)
         while True:
@@ -215,8 +233,7 @@ class Coordinator:
                 return None  # already replaced by an earlier plan
             epoch = current.epoch + 1
             owner = self.kv.compare_set(f"epoch/{epoch}/owner", b"", me.encode())
-            if owner != me.encode():
-                self.kv.wait([f"epoch/{epoch}/plan"], timeout=spare_timeout + 30)
+            if owner != me.encode() and not self._wait_or_take_over(epoch, me, spare_timeout + writer_grace):
                 continue  # re-read: the winner's plan may or may not cover our failure
             replaced = self._assign_spares(epoch, failed, current, spare_timeout)
             members = dict(current.members)
@@ -226,6 +243,36 @@ class Coordinator:
             for rank, worker in replaced.items():
                 self.kv.set(f"assign/{worker}", json.dumps({"epoch": epoch, "rank": rank}).encode())
             return plan
+
+    def _wait_or_take_over(self, epoch: int, me: str, timeout: float) -> bool:
+        """Wait for another writer's plan of ``epoch``: False once it is written, True
+        once this caller took the epoch over from a writer whose node was declared dead."""
+        key, plan_key = f"epoch/{epoch}/owner", f"epoch/{epoch}/plan"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.kv.wait([plan_key], timeout=0.25)
+                return False
+            except TimeoutError:
+                pass
+            owner = self.kv.get(key) or b""
+            if node_of_agent(owner.decode()) in self.dead_nodes():
+                if self.kv.compare_set(key, owner, me.encode()) == me.encode():
+                    return True
+                continue  # another survivor took it over first: wait for its plan
+            if time.monotonic() > deadline:
+                raise JobFailedError(
+                    f"{owner.decode()} began epoch {epoch}'s recovery plan but neither wrote it nor was declared "
+                    f"lost within {timeout:.0f}s; the job cannot recover. Check that agent's node and its log.")
+
+    def assignments(self, spares: Sequence[str]) -> Dict[str, int]:
+        """The ranks the latest plan gives to any of these waiting ``spares``. Also
+        writes each one's assign key if the plan's writer died before it could."""
+        plan = self.latest_plan()
+        ranks = {w: r for r, w in plan.members.items() if w in set(spares)}
+        for worker, rank in ranks.items():
+            self.kv.compare_set(f"assign/{worker}", b"", json.dumps({"epoch": plan.epoch, "rank": rank}).encode())
+        return ranks
 
     def _assign_spares(self, epoch: int, failed: Sequence[int], current: RecoveryPlan,
                        timeout: float) -> Dict[int, str]:
