@@ -60,6 +60,15 @@ class Job(LocalJob):
         self._fault(f"SIGKILL node {index}")
         super().kill_node(index)
 
+    def freeze_node(self, index, ranks):
+        """SIGSTOP node ``index``'s agent and its workers of ``ranks``: nothing exits and
+        no socket closes, as when a node drops off the network."""
+        pids = [self.pid_of(rank) for rank in ranks]
+        self._fault(f"SIGSTOP node {index}")
+        os.killpg(self.agents[index].pid, signal.SIGSTOP)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+
     def wait(self, timeout=120.0):
         try:
             return super().wait(timeout)

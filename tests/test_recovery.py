@@ -116,6 +116,25 @@ def test_hung_worker_is_detected_by_its_progress_counter(run, reference):
     assert "hung" in exited["how"]
 
 
+def test_blocked_collectives_of_declared_subgroups_are_aborted(run, reference):
+    # Rank 3 stops before its collective with rank 1, then its whole node freezes:
+    # nothing exits and no socket closes, as when a node drops off the network.
+    # Rank 1, blocked on rank 3 in a declared subgroup whose timeout is 600 s, gets
+    # out only through peerstate's abort once node 1's lease expires. Afterwards both
+    # subgroups are formed again and their sums checked at every step.
+    job = run(script_args=["--subgroups", "--hold-rank-3-at", "5"])
+    job.wait_for(lambda: job.spare_pids(), "the spare")
+    job.wait_for(lambda: "rank 3 holds at step 5" in job.text(), "rank 3's stop")
+    job.freeze_node(1, ranks=[2, 3])
+    job.wait_for(lambda: recoveries(job), "the recovery")
+    job.kill_node(1)  # the frozen processes: the job went on without them
+    codes = job.wait()
+    assert codes[0] == 0 and codes[1] == -signal.SIGKILL, job.describe()
+    assert_bitwise(job, reference)
+    [plan] = job.events("plan")
+    assert plan["failed"] == [2, 3] and "node 1 lost" in plan["reason"]
+
+
 @pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
 def test_whole_node_killed(run, reference, data_parallel):
     job = run(script_args=["--data-parallel"] if data_parallel else [])

@@ -23,6 +23,10 @@ parser.add_argument("--data-parallel", action="store_true", help="track(data_par
 parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
 parser.add_argument("--trace", action="store_true", help="print a digest of the parameters at each step")
 parser.add_argument("--width", type=int, default=64)
+parser.add_argument("--subgroups", action="store_true",
+                    help="each step, an allreduce in subgroups [1, 3] then [0, 1] before the DDP step")
+parser.add_argument("--hold-rank-3-at", type=int, default=None,
+                    help="with --subgroups: rank 3 stops before its subgroup collective at this step (once)")
 args = parser.parse_args()
 if args.fail_at_import:
     raise ImportError("this script was told to fail at start-up")
@@ -31,6 +35,27 @@ torch.set_num_threads(1)
 job = peerstate.Job(join_timeout=60.0, failure_grace=20.0)
 if args.fsdp:
     job.wait_for_rank()  # fully_shard needs the process group: a spare builds its model once picked
+if args.subgroups:  # long timeouts: only an abort gets a blocked member out in time
+    import datetime
+
+    import torch.distributed as dist
+
+    pair_1_3 = job.new_group([1, 3], timeout=datetime.timedelta(seconds=600))
+    pair_0_1 = job.new_group([0, 1], timeout=datetime.timedelta(seconds=600))
+
+
+def subgroup_collectives(step):
+    """Rank 1 waits on rank 3, then rank 0 waits on rank 1."""
+    if job.rank == 3 and step == args.hold_rank_3_at and job.recoveries == 0:
+        print(f"rank 3 holds at step {step}", flush=True)
+        time.sleep(600)
+    for subgroup, expected in ((pair_1_3, 4), (pair_0_1, 1)):
+        if job.rank in subgroup.ranks:
+            total = torch.tensor([job.rank])
+            dist.all_reduce(total, group=subgroup.group)
+            assert int(total) == expected, (subgroup.ranks, int(total))
+
+
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 4))
 if args.fsdp:
@@ -47,6 +72,8 @@ ddp = model if args.fsdp else job.ddp(model)
 
 for step in job.steps(args.steps):
     with job.guard():
+        if args.subgroups:
+            subgroup_collectives(step)
         generator = torch.Generator().manual_seed(1000 * step + job.rank)
         x = torch.randn(32, 16, generator=generator)
         y = torch.randn(32, 4, generator=generator)

@@ -50,14 +50,14 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from peerstate.coordinator import (Coordinator, MemberReport, RecoveryPlan, node_of_worker, recovery_point,
                                    sources_of)
 from peerstate.errors import AbortedError, InvalidArgumentError, JobFailedError, StateLostError
 from peerstate.kvstore import TorchKeyValueStore
 from peerstate.placement import BuddyPlacement, PlacementWarning
-from peerstate.process_groups import ProcessGroups
+from peerstate.process_groups import ProcessGroups, Subgroup
 from peerstate.progress import ProgressCounter
 from peerstate.replication import Replication
 from peerstate.snapshot import SnapshotStore
@@ -310,6 +310,22 @@ class Job:
         wrapper = RebuildableDDP(model, init_sync=self.epoch == 0, options=options, layout=layout)
         self._ddps.append(wrapper)
         return wrapper
+
+    def new_group(self, ranks: Sequence[int], **options: Any) -> Subgroup:
+        """Declare a process group over some ranks (``torch.distributed.new_group``'s
+        ``ranks`` and options): peerstate aborts it with the default group when a
+        failure hits and forms it again in every epoch. Every process calls it, in
+        the same order, before ``track()`` (a spare too: it forms its subgroups when
+        it is given a rank). Pass ``subgroup.group`` to collectives."""
+        if self._tracked:
+            raise InvalidArgumentError("declare subgroups with new_group() before track(): a hot spare waits in "
+                                       "track(), and every process must declare the same groups in the same order")
+        ranks = list(ranks)
+        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise InvalidArgumentError(f"new_group() needs distinct ranks in [0, {self.world_size}), got {ranks}")
+        subgroup = Subgroup(ranks, options)
+        self.groups.add(subgroup, self.join_timeout)
+        return subgroup
 
     def track(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, loader: Any = None,
               extras: Optional[Mapping[str, Any]] = None, data_parallel: bool = False) -> None:

@@ -1,11 +1,14 @@
-"""The training's process group, formed per epoch and abortable from any thread.
+"""The training's process groups, formed per epoch and abortable from any thread.
 
 Forming: ``torch.distributed.init_process_group`` over the job's TCPStore under
 the prefix ``pg/{epoch}/``, so a re-formed group never reads the keys of the
-group it replaces.
+group it replaces; then every declared ``Subgroup`` (``Job.new_group``), in
+declaration order, with ``torch.distributed.new_group``.
 
 Aborting, so that a training loop blocked in a collective fails at once:
-- NCCL: ``ProcessGroup.abort()`` (``ncclCommAbort``), made for this.
+- NCCL: ``ProcessGroup.abort()`` (``ncclCommAbort``) of every group, inside
+  one NCCL group call as torch's own abort-all does (separate aborts can
+  deadlock each other: pytorch#119797).
 - gloo: ``abort()`` exists but does not wake a collective already blocked on a
   peer (torch 2.13: the call returns and the collective still waits for its
   timeout). What does work is ``shutdown(2)`` on the group's connected sockets:
@@ -13,8 +16,11 @@ Aborting, so that a training loop blocked in a collective fails at once:
   the peers at the other end. The sockets are the ones ``init_process_group``
   opened (gloo connects its full mesh eagerly); they are recognised by inode,
   so a reused descriptor number is never touched, and listening sockets are
-  left alone (gloo treats a failed accept() as fatal). Groups created later with
-  ``new_group`` are not covered.
+  left alone (gloo treats a failed accept() as fatal). The sockets of declared
+  subgroups are collected the same way as they form. Groups created with
+  ``torch.distributed.new_group`` directly (or by a multi-dimensional
+  ``DeviceMesh``) are not known here, so not aborted: declare them with
+  ``Job.new_group``.
 - A rendezvous in progress (a member died after it reported): the group is
   formed through its own store connection, whose socket is shut down the
   same way, so ``init_process_group`` fails at once instead of waiting out the
@@ -27,9 +33,9 @@ import datetime
 import os
 import socket
 import threading
-from typing import Iterator, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-from peerstate.errors import AbortedError
+from peerstate.errors import AbortedError, InvalidArgumentError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
 
 
@@ -48,12 +54,33 @@ def _socket_inodes() -> Set[str]:
     return {inode for _, inode in _open_sockets()}
 
 
+class Subgroup:
+    """A process group over some of the ranks that peerstate aborts with the
+    default group on a failure and forms again in every epoch (``Job.new_group``)."""
+
+    def __init__(self, ranks: Sequence[int], options: Dict[str, Any]) -> None:
+        self.ranks = list(ranks)
+        self.options = options
+        self._group: Any = None
+
+    @property
+    def group(self) -> Any:
+        """The current epoch's ``ProcessGroup`` (torch's non-member marker on a rank
+        outside ``ranks``). Read it at each use: a recovery replaces it."""
+        if self._group is None:
+            raise InvalidArgumentError(
+                f"the subgroup over ranks {self.ranks} is not formed: this process has no rank yet (a spare "
+                "waiting in track()) or its epoch's groups are being re-formed")
+        return self._group
+
+
 class ProcessGroups:
-    """The default process group of the current epoch."""
+    """The default process group of the current epoch, and the declared subgroups."""
 
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self.epoch: Optional[int] = None
+        self._subgroups: List[Subgroup] = []
         self._sockets: Set[str] = set()
         self._forming: Set[str] = set()   # the rendezvous connection while form() runs
         self._abort_epoch = -1             # the newest epoch that asked for an abort
@@ -78,6 +105,8 @@ class ProcessGroups:
         try:
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{epoch}/", rendezvous), rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+            for subgroup in self._subgroups:
+                self._form_subgroup(subgroup, timeout)
         except Exception as error:  # noqa: BLE001 - torch raises several types for a missed rendezvous
             with self._lock:
                 self._forming = set()
@@ -91,8 +120,25 @@ class ProcessGroups:
             self.epoch = epoch
             self._sockets = _socket_inodes() - before if self.backend == "gloo" else set()
 
+    def add(self, subgroup: Subgroup, timeout: float) -> None:
+        """Declare ``subgroup``: formed now if this epoch's group is, and in every form()."""
+        self._subgroups.append(subgroup)
+        if self.epoch is None:
+            return  # a spare: formed with its first epoch
+        before = _socket_inodes()
+        self._form_subgroup(subgroup, timeout)
+        with self._lock:
+            if self.backend == "gloo":
+                self._sockets |= _socket_inodes() - before
+
+    def _form_subgroup(self, subgroup: Subgroup, timeout: float) -> None:
+        import torch.distributed as dist
+
+        options = {"timeout": datetime.timedelta(seconds=timeout), **subgroup.options}
+        subgroup._group = dist.new_group(subgroup.ranks, **options)
+
     def abort(self, new_epoch: int) -> None:
-        """Make every collective of this group, or its rendezvous, fail now because
+        """Make every collective of these groups, or their rendezvous, fail now because
         ``new_epoch`` began (thread-safe, idempotent, never blocks long)."""
         with self._lock:
             self._abort_epoch = max(self._abort_epoch, new_epoch)
@@ -103,21 +149,35 @@ class ProcessGroups:
             if self.backend == "gloo":
                 _shutdown(self._sockets)
                 return
+        import torch
         import torch.distributed as dist
 
+        world = dist.distributed_c10d._world
         try:
-            group = dist.distributed_c10d._get_default_group()
-            group.abort()
-        except Exception:  # noqa: BLE001 - already destroyed or aborted
-            pass
+            groups = sorted(world.pg_names, key=lambda g: world.pg_names[g], reverse=True)  # as torch's abort-all
+            nccl = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
+            nccl._group_start()
+        except Exception:  # noqa: BLE001 - destroyed meanwhile, or no NCCL backend to group the aborts
+            groups, nccl = list(world.pg_names), None
+        try:
+            for group in groups:
+                try:
+                    group.abort()
+                except Exception:  # noqa: BLE001 - already destroyed or aborted
+                    pass
+        finally:
+            if nccl is not None:
+                nccl._group_end()
 
     def destroy(self) -> None:
-        """Tear the group down (main thread, after abort())."""
+        """Tear the groups down (main thread, after abort())."""
         import torch.distributed as dist
 
         with self._lock:
             self.epoch = None
             self._sockets = set()
+        for subgroup in self._subgroups:
+            subgroup._group = None
         if dist.is_initialized():
             try:
                 dist.distributed_c10d._abort_process_group()

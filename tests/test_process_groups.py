@@ -1,0 +1,45 @@
+"""Declared subgroups over a real gloo group of one rank: formed with the epoch's
+group, gone with it, and formed again with the next one."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+
+from peerstate import InvalidArgumentError  # noqa: E402
+from peerstate.kvstore import TorchKeyValueStore  # noqa: E402
+from peerstate.process_groups import ProcessGroups, Subgroup  # noqa: E402
+
+
+@pytest.fixture
+def groups(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    kv = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=10)
+    groups = ProcessGroups("gloo")
+    yield kv, groups
+    groups.destroy()
+
+
+def test_a_subgroup_is_formed_with_every_epoch(groups):
+    kv, groups = groups
+    declared = Subgroup([0], {})
+    groups.add(declared, timeout=10)  # before the first epoch, as a spare declares it
+    with pytest.raises(InvalidArgumentError, match=r"subgroup over ranks \[0\] is not formed"):
+        declared.group
+    for epoch in (0, 1):
+        groups.form(kv.torch_store, epoch, rank=0, world_size=1, timeout=10)
+        total = torch.tensor([3])
+        dist.all_reduce(total, group=declared.group)
+        assert int(total) == 3
+        groups.destroy()
+        with pytest.raises(InvalidArgumentError, match="not formed"):
+            declared.group
+
+
+def test_a_subgroup_declared_in_a_formed_epoch_is_formed_at_once(groups):
+    kv, groups = groups
+    groups.form(kv.torch_store, 0, rank=0, world_size=1, timeout=10)
+    declared = Subgroup([0], {})
+    groups.add(declared, timeout=10)
+    assert declared.group is not None and dist.get_world_size(declared.group) == 1
