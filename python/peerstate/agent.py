@@ -2,7 +2,7 @@
 
 It starts this node's workers and hot spares, sees a worker die at once
 (every few milliseconds: ``waitpid``, and before that the kernel's own mark of
-a process that has begun to exit, see ``exit_in_progress``), sees a
+a process that has begun to exit, see ``ExitWatch``), sees a
 worker freeze through its progress counter in shared memory, keeps this node's
 heartbeat lease alive and watches the other nodes', writes recovery plans
 (through the Coordinator) when it sees a failure, refills its spare pool, and
@@ -88,6 +88,7 @@ class _Process:
         self.ticked = False                # it reached peerstate.Job()
         self.hung = False
         self.claimed = False               # a spare a planner claimed, not yet named by a plan
+        self.exit_watch = ExitWatch(popen.pid)
 
 
 class Agent:
@@ -216,7 +217,7 @@ class Agent:
             for process in list(self.processes.values()):
                 code = process.popen.poll()
                 if code is None:
-                    code = exit_in_progress(process.popen.pid)
+                    code = process.exit_watch.status()
                     if code is not None:
                         self._dying.append(process.popen)  # reaped once its exit completes
                 if code is not None:
@@ -280,6 +281,7 @@ class Agent:
         detected_at = time.time()
         del self.processes[process.worker]
         process.counter.close()
+        process.exit_watch.close()
         os.unlink(process.counter.path)
         how = "hung (its progress counter stopped) and was killed" if process.hung else _describe_exit(code)
         self.events.write("process_exited", worker=process.worker, rank=process.rank, code=code, how=how)
@@ -417,6 +419,7 @@ class Agent:
                     pass
             process.popen.wait()
             process.counter.close()
+            process.exit_watch.close()
             try:
                 os.unlink(process.counter.path)
             except FileNotFoundError:
@@ -431,30 +434,45 @@ class Agent:
 _PF_EXITING = 0x4
 
 
-def exit_in_progress(pid: int) -> Optional[int]:
-    """The exit status, in ``Popen.returncode`` form, of a process that has begun to
-    exit abnormally (killed by a signal or a non-zero exit code) but may not be
-    reapable yet; None while it runs, is stopped, exits with 0, or where /proc
-    does not say.
+class ExitWatch:
+    """Sees a child process begin to exit abnormally, before ``waitpid`` can.
 
-    Why: the kernel records the status and marks the task exiting as it enters
+    The kernel records the exit status and marks the task exiting as it enters
     do_exit(), then releases the process's memory, and only then lets ``waitpid``
     see it. For a worker holding a few hundred MiB (tensors plus snapshot memory)
-    that release takes 50-80 ms on a busy core; reading ``/proc/PID/stat``
-    (fields 9, flags, and 52, exit_code) sees the death that much sooner. A
-    process exiting with 0 is left to ``waitpid``: it is no failure."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()  # fields from 3 (state) on; the name may hold spaces
-    if len(fields) < 50 or not int(fields[9 - 3]) & _PF_EXITING:
-        return None
-    status = int(fields[52 - 3])
-    if status == 0:
-        return None
-    return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
+    that release takes 50-80 ms on a busy core; ``/proc/PID/stat`` (fields 9,
+    flags, and 52, exit_code) shows the death that much sooner. The file stays
+    open: a look is one pread (~3 us against ~9 us to open it each time, at a
+    look per worker every 5 ms)."""
+
+    def __init__(self, pid: int) -> None:
+        try:
+            self._fd: Optional[int] = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        except OSError:
+            self._fd = None  # no /proc, or already reaped: waitpid alone will tell
+
+    def status(self) -> Optional[int]:
+        """The exit status in ``Popen.returncode`` form once the process has begun to
+        exit by a signal or a non-zero code; None while it runs or is stopped, when it
+        exits with 0 (no failure: left to waitpid), or where /proc does not say."""
+        if self._fd is None:
+            return None
+        try:
+            stat = os.pread(self._fd, 1024, 0)
+        except OSError:
+            return None  # reaped
+        fields = stat[stat.rfind(b")") + 2:].split()  # fields from 3 (state) on; the name may hold spaces
+        if len(fields) < 50 or not int(fields[9 - 3]) & _PF_EXITING:
+            return None
+        code = int(fields[52 - 3])
+        if code == 0:
+            return None
+        return -(code & 0x7F) if code & 0x7F else (code >> 8) & 0xFF
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _die_with_parent() -> None:
