@@ -11,6 +11,8 @@ torch = pytest.importorskip("torch")
 
 from jobs import Job  # noqa: E402
 
+from peerstate.job import ABORT_DEADLINE_EXIT_CODE  # noqa: E402
+
 STEPS = 40
 TWO_NODES = [(2, 1), (2, 0)]  # 4 workers on 2 simulated nodes + 1 spare
 FAST = ["--lease-timeout", "1.5", "--hang-timeout", "1.5", "--spare-timeout", "30", "--join-timeout", "60"]
@@ -122,7 +124,7 @@ def test_blocked_collectives_of_declared_subgroups_are_aborted(run, reference):
     # Rank 1, blocked on rank 3 in a declared subgroup whose timeout is 600 s, gets
     # out only through peerstate's abort once node 1's lease expires. Afterwards both
     # subgroups are formed again and their sums checked at every step.
-    job = run(script_args=["--subgroups", "--hold-rank-3-at", "5"])
+    job = run(script_args=["--subgroups", "--hold", "3:5"])
     job.wait_for(lambda: job.spare_pids(), "the spare")
     job.wait_for(lambda: "rank 3 holds at step 5" in job.text(), "rank 3's stop")
     job.freeze_node(1, ranks=[2, 3])
@@ -133,6 +135,22 @@ def test_blocked_collectives_of_declared_subgroups_are_aborted(run, reference):
     assert_bitwise(job, reference)
     [plan] = job.events("plan")
     assert plan["failed"] == [2, 3] and "node 1 lost" in plan["reason"]
+
+
+def test_a_loop_that_cannot_leave_its_call_gives_its_rank_to_a_spare(run, reference):
+    # Rank 0 sleeps at step 5 (as in a call no abort can wake) while rank 3 is killed.
+    # The others wait for rank 0 in the new epoch; after abort_timeout rank 0 exits on
+    # its own and a second spare takes its rank.
+    job = run(nodes=[(2, 1), (2, 1)], script_args=["--hold", "0:5", "--abort-timeout", "3"])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for(lambda: "rank 0 holds at step 5" in job.text(), "rank 0's stop")
+    job.kill_rank(3)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert [p["failed"] for p in job.events("plan")] == [[3], [0]]
+    [missed] = job.events("abort_deadline_missed")
+    assert missed["rank"] == 0 and missed["epoch"] == 1
+    assert [e["code"] for e in job.events("process_exited") if e["rank"] == 0 and e["code"] != 0] == [ABORT_DEADLINE_EXIT_CODE]
 
 
 @pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])

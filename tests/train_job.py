@@ -25,14 +25,16 @@ parser.add_argument("--trace", action="store_true", help="print a digest of the 
 parser.add_argument("--width", type=int, default=64)
 parser.add_argument("--subgroups", action="store_true",
                     help="each step, an allreduce in subgroups [1, 3] then [0, 1] before the DDP step")
-parser.add_argument("--hold-rank-3-at", type=int, default=None,
-                    help="with --subgroups: rank 3 stops before its subgroup collective at this step (once)")
+parser.add_argument("--hold", default=None, metavar="RANK:STEP",
+                    help="RANK sleeps at the start of STEP, in its first life only (a call no abort wakes)")
+parser.add_argument("--abort-timeout", type=float, default=60.0)
 args = parser.parse_args()
 if args.fail_at_import:
     raise ImportError("this script was told to fail at start-up")
 
 torch.set_num_threads(1)
-job = peerstate.Job(join_timeout=60.0, failure_grace=20.0)
+job = peerstate.Job(join_timeout=60.0, failure_grace=20.0, abort_timeout=args.abort_timeout)
+hold_rank, hold_step = map(int, args.hold.split(":")) if args.hold else (None, None)
 if args.fsdp:
     job.wait_for_rank()  # fully_shard needs the process group: a spare builds its model once picked
 if args.subgroups:  # long timeouts: only an abort gets a blocked member out in time
@@ -46,9 +48,6 @@ if args.subgroups:  # long timeouts: only an abort gets a blocked member out in 
 
 def subgroup_collectives(step):
     """Rank 1 waits on rank 3, then rank 0 waits on rank 1."""
-    if job.rank == 3 and step == args.hold_rank_3_at and job.recoveries == 0:
-        print(f"rank 3 holds at step {step}", flush=True)
-        time.sleep(600)
     for subgroup, expected in ((pair_1_3, 4), (pair_0_1, 1)):
         if job.rank in subgroup.ranks:
             total = torch.tensor([job.rank])
@@ -72,6 +71,9 @@ ddp = model if args.fsdp else job.ddp(model)
 
 for step in job.steps(args.steps):
     with job.guard():
+        if job.rank == hold_rank and step == hold_step and job.recoveries == 0:
+            print(f"rank {job.rank} holds at step {step}", flush=True)
+            time.sleep(600)
         if args.subgroups:
             subgroup_collectives(step)
         generator = torch.Generator().manual_seed(1000 * step + job.rank)

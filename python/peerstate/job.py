@@ -64,6 +64,9 @@ from peerstate.snapshot import SnapshotStore
 from peerstate.state_dict import register_training_state
 from peerstate.timeline import EventLog, read_events, recovery_timeline
 
+# A worker that could not leave a blocked call within Job(abort_timeout=...) exits with this (EX_SOFTWARE).
+ABORT_DEADLINE_EXIT_CODE = 70
+
 
 class _Superseded(Exception):
     """A newer epoch began while this one was being joined."""
@@ -211,13 +214,20 @@ class Job:
         join_timeout: seconds to wait for every member while joining an epoch.
         failure_grace: seconds an error in the loop may wait for the coordinator to
             declare a failure before it is treated as a bug and raised.
+        abort_timeout: seconds the training loop may take, after a failure aborted
+            the groups, to leave the call it is in and start the recovery. Past it
+            this process exits with ``ABORT_DEADLINE_EXIT_CODE`` and a spare takes
+            its rank: the last resort against a call no abort can wake (a kernel
+            that never returns, a blocking call outside peerstate's groups).
         replica_budget_bytes, snapshot_threads: passed to the stores.
     """
 
     def __init__(self, *, snapshot_every: int = 1, versions: int = 3, k: int = 1, backend: Optional[str] = None,
                  checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, join_timeout: float = 120.0,
                  failure_grace: float = 30.0, replica_budget_bytes: Optional[int] = None,
-                 snapshot_threads: Optional[int] = None) -> None:
+                 snapshot_threads: Optional[int] = None, abort_timeout: float = 60.0) -> None:
+        if abort_timeout <= 0:
+            raise InvalidArgumentError(f"abort_timeout must be positive (got {abort_timeout})")
         if snapshot_every < 1 or versions < 3:
             raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 3 (got {snapshot_every}, {versions})")
         if checkpoint_every and not checkpoint_dir:
@@ -230,6 +240,7 @@ class Job:
         self.checkpoint_every = checkpoint_every or int(os.environ.get("PEERSTATE_CHECKPOINT_EVERY", "0"))
         self.join_timeout = join_timeout
         self.failure_grace = failure_grace
+        self.abort_timeout = abort_timeout
         self.world_size = env.world_size
         self.worker = env.worker
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -262,6 +273,8 @@ class Job:
         self._tracked: Dict[str, Any] = {}
         self._ddps: List[RebuildableDDP] = []
         self._needs_recovery = False
+        self._in_recovery = False  # the main thread is in _recover(), not in the user's loop
+        self._loop_done = False
         self._guarded = False
         self._marks: Dict[str, float] = {}
         self._first_step_after: Optional[int] = None
@@ -291,10 +304,13 @@ class Job:
         self.shared_replication = Replication(self.shared, rank, self.shared_placement, secret=self._secret,
                                               host=self._env.host)
         self.watcher = EpochWatcher(self.kv.clone(), plan, self._on_new_epoch)
+        self._in_recovery = True
         try:
             self._join(plan)
         except _Superseded:
             self._recover()
+        finally:
+            self._in_recovery = False
 
     # -- the loop --------------------------------------------------------------------
     def ddp(self, model: Any, **options: Any) -> RebuildableDDP:
@@ -405,21 +421,42 @@ class Job:
         self._become_member(self.coordinator.plan(assignment["epoch"]), assignment["rank"])
 
     def _on_new_epoch(self, plan: RecoveryPlan) -> None:
-        """Watcher thread: make the loop's blocked calls fail now."""
+        """Watcher thread: make the loop's blocked calls fail now, and give the loop
+        ``abort_timeout`` seconds to come into the recovery."""
         self._marks = {}
+        deadline = threading.Timer(self.abort_timeout, self._abort_deadline, args=(plan.epoch,))
+        deadline.daemon = True
+        deadline.start()
         self.groups.abort(plan.epoch)
         self.replication.abort_transfers()
         self.shared_replication.abort_transfers()
         self.events.write("epoch_seen", epoch=plan.epoch, rank=self.rank)
 
+    def _abort_deadline(self, epoch: int) -> None:
+        """Timer thread: the loop has not left its call since ``epoch`` began. The
+        other members wait for this rank's report; better a spare in its place now
+        than all of them at their join timeout."""
+        if self._in_recovery or self.epoch >= epoch or self._loop_done or self._closed:
+            return
+        message = (f"rank {self.rank}: the training loop did not leave its call within abort_timeout="
+                   f"{self.abort_timeout:g}s of epoch {epoch}'s abort; this process exits so that a spare takes "
+                   "its place")
+        self.events.write("abort_deadline_missed", epoch=epoch, rank=self.rank)
+        print(f"peerstate: {message}", file=sys.stderr, flush=True)
+        os._exit(ABORT_DEADLINE_EXIT_CODE)
+
     def _recover(self) -> None:
-        while True:
-            plan = self.watcher.latest
-            try:
-                self._join(plan)
-                break
-            except _Superseded:
-                continue
+        self._in_recovery = True
+        try:
+            while True:
+                plan = self.watcher.latest
+                try:
+                    self._join(plan)
+                    break
+                except _Superseded:
+                    continue
+        finally:
+            self._in_recovery = False
         self._needs_recovery = False
 
     def _join(self, plan: RecoveryPlan) -> None:
@@ -698,6 +735,7 @@ class Job:
               f"from {timeline['from']}: {phases}", file=sys.stderr, flush=True)
 
     def _finish(self, total: int) -> None:
+        self._loop_done = True
         self._start_replication()
         if self.replication.replicator.in_flight_version() is not None:
             self.replication.wait(self.replication.replicator.in_flight_version(), check=False)
