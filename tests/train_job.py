@@ -27,7 +27,7 @@ parser.add_argument("--subgroups", action="store_true",
                     help="each step, an allreduce in subgroups [1, 3] then [0, 1] before the DDP step")
 parser.add_argument("--hold", default=None, metavar="RANK:STEP",
                     help="RANK sleeps at the start of STEP, in its first life only (a call no abort wakes)")
-parser.add_argument("--abort-timeout", type=float, default=60.0)
+parser.add_argument("--abort-timeout", type=float, default=30.0)
 args = parser.parse_args()
 if args.fail_at_import:
     raise ImportError("this script was told to fail at start-up")

@@ -219,6 +219,8 @@ class Job:
             this process exits with ``ABORT_DEADLINE_EXIT_CODE`` and a spare takes
             its rank: the last resort against a call no abort can wake (a kernel
             that never returns, a blocking call outside peerstate's groups).
+            Shorter than ``join_timeout``; longer than the loop ever runs
+            between two collectives.
         replica_budget_bytes, snapshot_threads: passed to the stores.
     """
 
@@ -226,8 +228,9 @@ class Job:
                  checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, join_timeout: float = 120.0,
                  failure_grace: float = 30.0, replica_budget_bytes: Optional[int] = None,
                  snapshot_threads: Optional[int] = None, abort_timeout: float = 60.0) -> None:
-        if abort_timeout <= 0:
-            raise InvalidArgumentError(f"abort_timeout must be positive (got {abort_timeout})")
+        if not 0 < abort_timeout < join_timeout:
+            raise InvalidArgumentError(f"abort_timeout must be positive and shorter than join_timeout, which the "
+                                       f"other members wait for this one (got {abort_timeout} and {join_timeout})")
         if snapshot_every < 1 or versions < 3:
             raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 3 (got {snapshot_every}, {versions})")
         if checkpoint_every and not checkpoint_dir:
