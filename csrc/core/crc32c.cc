@@ -16,16 +16,15 @@ constexpr uint32_t kPoly = 0x82f63b78;  // reflected Castagnoli polynomial
 
 // The hardware loop runs several independent CRC lanes at once and joins them
 // by "shifting" a CRC over a run of zero bytes, which a table per lane length
-// does in 4 lookups. Long runs go four 4 KiB lanes at a time (one page each,
-// walked a cache line at a time): four streams keep more DRAM pages open and
-// more prefetchers busy than one, the pattern of glibc's large-copy loop, and
-// four chains cover the crc32 instruction's 3-cycle latency. What is left
-// goes three 256-byte lanes at a time.
-constexpr size_t kPageLanes = 4;
-constexpr size_t kPageLane = 4096;
+// does in 4 lookups. Long runs follow the streaming copies' page walk
+// (memory_copy.h), one CRC chain per page lane: four chains also cover the
+// crc32 instruction's 3-cycle latency. What is left goes three 256-byte lanes
+// at a time.
+constexpr size_t kPageLanes = kStreamLanes;
+constexpr size_t kPageLane = kStreamLane;
+static_assert(kPageLanes == 4, "page_lanes starts its lanes as {c0, 0, 0, 0}");
 constexpr size_t kShortLanes = 3;
 constexpr size_t kShortLane = 256;
-constexpr size_t kPrefetchAhead = 256;  // bytes ahead of each page lane's cursor
 
 struct Tables {
   uint32_t slice[8][256];        // slicing-by-8 software CRC
@@ -134,7 +133,7 @@ __attribute__((target("sse4.2"))) void page_lanes(uint64_t& c0, unsigned char*& 
     for (size_t i = 0; i < kPageLane; i += 64) {
 #pragma GCC unroll 4
       for (size_t l = 0; l < kPageLanes; l++)
-        _mm_prefetch(reinterpret_cast<const char*>(src + l * kPageLane + i + kPrefetchAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(src + l * kPageLane + i + kStreamPrefetch), _MM_HINT_T0);
 #pragma GCC unroll 8
       for (size_t w = 0; w < 64; w += 8)
 #pragma GCC unroll 4

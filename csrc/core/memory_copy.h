@@ -5,6 +5,15 @@
 
 namespace peerstate {
 
+// The memory walk of both streaming copies (copy_streaming here, crc32c_copy in
+// crc32c.h): blocks of kStreamLanes lanes of kStreamLane bytes (a page each),
+// a 64-byte line of each lane in turn, each lane prefetched kStreamPrefetch
+// bytes ahead. It is glibc's large-copy walk: four streams keep more DRAM pages
+// open and more prefetchers busy than one (~10% faster on multi-GiB copies).
+inline constexpr size_t kStreamLanes = 4;
+inline constexpr size_t kStreamLane = 4096;
+inline constexpr size_t kStreamPrefetch = 256;
+
 // memcpy with non-temporal stores on x86-64 (plain memcpy elsewhere): skips
 // the read-for-ownership of each destination cache line. With fence=true the
 // stores are fenced before returning, so the bytes are visible to other

@@ -269,7 +269,8 @@ class Coordinator:
         """The ranks the latest plan gives to any of these waiting ``spares``. Also
         writes each one's assign key if the plan's writer died before it could."""
         plan = self.latest_plan()
-        ranks = {w: r for r, w in plan.members.items() if w in set(spares)}
+        waiting = set(spares)
+        ranks = {w: r for r, w in plan.members.items() if w in waiting}
         for worker, rank in ranks.items():
             self.kv.compare_set(f"assign/{worker}", b"", json.dumps({"epoch": plan.epoch, "rank": rank}).encode())
         return ranks
