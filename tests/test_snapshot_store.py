@@ -275,6 +275,68 @@ def test_tensor_resized_in_place_is_detected(store):
         store.restore(1)
 
 
+def test_a_tensor_resized_deep_in_a_large_registration_fails_the_version_and_keeps_the_last(store):
+    # 3 batches of the registration check: the copy of the first ones is under
+    # way when the check reaches the resized tensor, and all of it is dropped.
+    tensors = {f"t{i:04}": byte_tensor(4096, i) for i in range(700)}
+    store.register_many(tensors)
+    store.register("objects_neighbour", np.arange(10, dtype=np.int64))
+    store.snapshot(1).wait()
+    expected = {n: t.clone() for n, t in tensors.items()}
+    for t in tensors.values():
+        fill(t, 7)
+    tensors["t0600"].resize_(1 << 20)
+    with pytest.raises(peerstate.RegistrationMismatchError, match="'t0600' no longer matches"):
+        store.snapshot(2)
+    assert store.in_flight_version() is None
+    assert store.committed_versions() == [1]
+    store.register("t0600", tensors["t0600"])
+    with pytest.raises(peerstate.RegistrationMismatchError):
+        store.restore(1)  # the new registration has other sizes: version 1 cannot go back in
+    tensors["t0600"].resize_(4096)
+    store.register("t0600", tensors["t0600"])
+    store.restore(1)
+    for n, t in tensors.items():
+        assert torch.equal(t, expected[n]), n
+    store.snapshot(2).wait()
+    assert store.committed_versions() == [1, 2]
+
+
+def test_a_gated_version_copies_only_what_was_validated():
+    store = _C.SnapshotStore(threads=2, chunk_bytes=4096)
+    buffers = [np.full(4096, i, dtype=np.uint8) for i in range(8)]
+    empty = [("empty", 0, 0, -1)]  # no chunk, but counted in the layout order
+    store.register_buffers(empty + [(f"b{i}", b.ctypes.data, b.nbytes, -1) for i, b in enumerate(buffers)])
+    assert store.buffer_names() == ["empty"] + [f"b{i}" for i in range(8)]
+    store.snapshot(1, gated=True)
+    store.validated(5)
+    time.sleep(0.2)
+    assert store.in_flight_version() == 1  # buffers 5..8 are not validated: not copied, not committed
+    store.validated(3)  # counts only grow
+    store.validated(9)
+    store.wait()
+    assert store.committed_versions() == [1]
+    stored = np.frombuffer(store.stored_bytes(1), dtype=np.uint8)
+    for i in range(8):
+        assert (stored[i * 4096 : (i + 1) * 4096] == i).all()
+
+
+def test_a_gated_version_waited_for_before_validation_is_cancelled_not_hung():
+    store = _C.SnapshotStore(threads=2, chunk_bytes=4096)
+    buffer = np.zeros(1 << 16, dtype=np.uint8)
+    store.register_buffers([("b", buffer.ctypes.data, buffer.nbytes, -1)])
+    store.snapshot(1)
+    store.wait()
+    store.snapshot(2, gated=True)
+    with pytest.raises(peerstate.InvalidArgumentError, match="before all its buffers were validated"):
+        store.wait()
+    store.snapshot(3, gated=True)
+    store.cancel()
+    assert store.in_flight_version() is None
+    assert store.committed_versions() == [1]
+    store.restore(1)
+
+
 def test_budget_exceeded_at_registration_keeps_previous_registration():
     store = peerstate.SnapshotStore(budget_bytes=1 << 20)
     try:

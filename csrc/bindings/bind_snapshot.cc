@@ -63,10 +63,16 @@ void bind_snapshot(py::module_& m) {
         call_without_gil([&] { return s.unregister(names); });
       })
       .def("snapshot",
-           [](SnapshotStore& s, int64_t version, uintptr_t after_stream) {
-             call_without_gil([&] { return s.snapshot(version, after_stream); });
+           [](SnapshotStore& s, int64_t version, uintptr_t after_stream, bool gated) {
+             call_without_gil([&] { return s.snapshot(version, after_stream, gated); });
            },
-           py::arg("version"), py::arg("after_stream") = 0)
+           py::arg("version"), py::arg("after_stream") = 0, py::arg("gated") = false)
+      .def("validated", &SnapshotStore::validated, py::arg("count"))
+      .def("cancel", [](SnapshotStore& s) {
+        py::gil_scoped_release release;
+        s.cancel();
+      })
+      .def("buffer_names", &SnapshotStore::buffer_names)
       .def("wait", [](SnapshotStore& s) { call_without_gil([&] { return s.wait(); }); })
       .def("restore", [](SnapshotStore& s, int64_t version, bool verify) {
         size_t written = 0;

@@ -43,9 +43,29 @@ struct SnapshotStore::InFlight {
   std::mutex mutex;
   Status error;  // the first chunk failure
 
+  // Gated versions: host chunk c may be copied once validated > gate[c], the
+  // highest buffer index among its segments.
+  bool gated = false;
+  std::vector<uint32_t> gate;
+  size_t host_buffers = 0;
+  size_t validated = 0;  // guarded by `mutex`
+  std::condition_variable opened;
+
   void record(Status st) {
     std::lock_guard<std::mutex> lock(mutex);
     if (error.ok()) error = std::move(st);
+  }
+  void cancel() {
+    std::lock_guard<std::mutex> lock(mutex);
+    cancelled.store(true, std::memory_order_release);
+    opened.notify_all();
+  }
+  // Blocks until chunk c may be copied; false if the version was cancelled meanwhile.
+  bool wait_for_gate(size_t c) {
+    if (!gated) return true;
+    std::unique_lock<std::mutex> lock(mutex);
+    opened.wait(lock, [&] { return validated > gate[c] || cancelled.load(std::memory_order_acquire); });
+    return !cancelled.load(std::memory_order_acquire);
   }
 };
 
@@ -219,7 +239,7 @@ Status SnapshotStore::reserve_slot(int64_t version, std::shared_ptr<const Layout
   return Status::Ok();
 }
 
-Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream) {
+Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream, bool gated) {
   if (closed_) return Status(StatusCode::kInvalidArgument, "the snapshot store is closed");
   PEERSTATE_RETURN_IF_ERROR(wait());
   if (layout_->buffers.empty())
@@ -245,6 +265,16 @@ Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream) {
   job->version = version;
   job->layout = layout;
   job->sources.assign(live_ptrs_.begin(), live_ptrs_.end());
+  if (gated) {
+    job->gated = true;
+    job->gate.assign(layout->chunks.size(), 0);
+    for (size_t c = 0; c < layout->chunks.size(); c++) {
+      const ChunkPlacement& chunk = layout->chunks[c];
+      job->gate[c] = layout->segments[chunk.first_segment + chunk.segment_count - 1].buffer;
+    }
+    while (job->host_buffers < layout->buffers.size() && layout->buffers[job->host_buffers].device == kHostDevice)
+      job->host_buffers++;
+  }
 
   if (layout->has_device_buffers) {
     // Device chunks are queued on the copy stream now; the pool's workers only
@@ -306,6 +336,7 @@ void SnapshotStore::copy_chunk_to_region(InFlight& job, size_t c) {
   uint32_t crc = 0;
   if (job.cancelled.load(std::memory_order_acquire)) return;
   if (chunk.device == kHostDevice) {
+    if (!job.wait_for_gate(c)) return;
     for (uint32_t s = 0; s < chunk.segment_count; s++) {
       const Segment& seg = layout.segments[chunk.first_segment + s];
       const unsigned char* src = job.sources[seg.buffer] + seg.buffer_offset;
@@ -345,6 +376,18 @@ Status SnapshotStore::wait() {
     job = in_flight_;
   }
   if (!job) return Status::Ok();
+  bool unvalidated;
+  {
+    std::lock_guard<std::mutex> lock(job->mutex);
+    unvalidated = job->gated && job->validated < job->host_buffers && !job->cancelled.load();
+  }
+  if (unvalidated) {
+    cancel_in_flight();
+    return Status(StatusCode::kInvalidArgument,
+                  "snapshot of version " + std::to_string(job->version) +
+                      " was waited for before all its buffers were validated; it was cancelled "
+                      "(call validated() with every host buffer, or cancel())");
+  }
   job->job->wait();
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -367,7 +410,7 @@ void SnapshotStore::cancel_in_flight() {
     job = std::move(in_flight_);
   }
   if (!job) return;
-  job->cancelled.store(true, std::memory_order_release);
+  job->cancel();
   job->job->cancel();
   job->job->wait();
   // Skipped device chunks may still be landing in the slot's region: drain them
@@ -497,6 +540,27 @@ Status SnapshotStore::restore(int64_t version, bool verify, size_t* bytes_writte
                                  " failed part way; the registered buffers are inconsistent: " +
                                  st.message());
   return drop_newer(version);
+}
+
+void SnapshotStore::validated(size_t count) {
+  std::shared_ptr<InFlight> job;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job = in_flight_;
+  }
+  if (!job || !job->gated) return;
+  std::lock_guard<std::mutex> lock(job->mutex);
+  if (count <= job->validated) return;
+  job->validated = count;
+  job->opened.notify_all();
+}
+
+void SnapshotStore::cancel() { cancel_in_flight(); }
+
+std::vector<std::string> SnapshotStore::buffer_names() const {
+  std::vector<std::string> names;
+  for (const BufferPlacement& b : layout_->buffers) names.push_back(b.name);
+  return names;
 }
 
 Status SnapshotStore::drop_newer(int64_t version) {

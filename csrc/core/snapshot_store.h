@@ -92,7 +92,27 @@ class SnapshotStore {
   // first waits for it (back-pressure) and returns its error, if any, without
   // starting. `after_stream` (CUDA builds, device buffers) is a cudaStream_t
   // whose queued work the device copies must follow; 0 means the default stream.
-  Status snapshot(int64_t version, uintptr_t after_stream = 0);
+  //
+  // `gated` true: host chunks are not copied until the caller has vouched for
+  // their buffers with validated(). A caller that must check, before each
+  // copy, that its buffers still own the registered memory (tensors can be
+  // resized) checks in layout order and lets the copy of what it checked
+  // start at once, instead of checking everything first. Device chunks are
+  // queued by this call, so device buffers must be checked before it. A gated
+  // version must be fully validated or cancelled: wait() on one that is not
+  // cancels it and returns kInvalidArgument (it would otherwise never finish).
+  Status snapshot(int64_t version, uintptr_t after_stream = 0, bool gated = false);
+  // For the gated version in flight: the first `count` host buffers in layout
+  // order (see buffer_names()) were checked; their chunks may be copied.
+  // Counts only grow; a smaller count or no gated version in flight is ignored.
+  // Does not block.
+  void validated(size_t count);
+  // Cancels the version in flight, if any, and waits for its copies to stop.
+  // Committed versions and the registered buffers are not touched.
+  void cancel();
+  // Registered buffer names in layout order: host buffers first, each group in
+  // registration order.
+  std::vector<std::string> buffer_names() const;
   // Blocks until the in-flight version, if any, commits or fails; returns its outcome.
   Status wait();
   // Verifies every checksum of committed `version` and only then copies it into the

@@ -43,8 +43,16 @@ class SnapshotStore:
         Raises BusyError while a version is in flight, BudgetExceededError,
         UnavailableError for device memory without CUDA."""
     def unregister(self, names: List[str]) -> None: ...
-    def snapshot(self, version: int, after_stream: int = 0) -> None:
-        """Start copying as `version` and return; waits first for a version in flight."""
+    def snapshot(self, version: int, after_stream: int = 0, gated: bool = False) -> None:
+        """Start copying as `version` and return; waits first for a version in flight.
+        gated=True: host chunks wait for validated(); device buffers are queued at once."""
+    def validated(self, count: int) -> None:
+        """The first `count` host buffers (buffer_names() order) of the gated version in
+        flight were checked: copy them. Never blocks."""
+    def cancel(self) -> None:
+        """Cancel the version in flight (if any) and wait for its copies to stop."""
+    def buffer_names(self) -> List[str]:
+        """Registered names in layout order: host buffers first, then device ones."""
     def wait(self) -> None:
         """Block (GIL released) until the version in flight commits; raise its error."""
     def restore(self, version: int, verify: bool = True) -> int:
