@@ -98,9 +98,20 @@ class Peer:
     def describe(self, peer, rank, version=-1):
         return {"meta_version": self.replication.transport.describe(peer, rank, version)["version"]}
 
-    def recover(self, rank, version=-1, sources=None):
-        pulled = self.replication.recover(rank, version, sources)
-        return {"version": pulled, "digest": digest_tensors(self.tensors)}
+    def recover(self, rank, version=-1, sources=None, same_machine=None):
+        local = {int(p): tuple(v) for p, v in (same_machine or {}).items()}
+        pulled = self.replication.pull(rank, version, sources, same_machine=local)
+        self.store.restore(pulled, verify=False)
+        reply = {"version": pulled, "digest": digest_tensors(self.tensors)}
+        if same_machine is not None:
+            reply.update(chunks_from_memory=self.replication.last_pull_chunks_from_memory,
+                         chunks=len(self.store.version_info(pulled)["chunks"]))
+        return reply
+
+    def region(self, version):
+        import os
+
+        return {"pid": os.getpid(), "address": self.store.region_address(version)}
 
     def digest(self):
         return {"digest": digest_tensors(self.tensors)}

@@ -103,6 +103,44 @@ def test_source_killed_mid_pull(k):
             assert "no source left" in reply["message"] and "rank 1" in reply["message"], reply
 
 
+def _replica_group_with_a_replacement(cluster):
+    """Ranks 0 and 1 hold the same state (a replica group) at versions 3 and 4;
+    rank 0 is killed and a replacement takes its place. Returns (replacement, digest of 3)."""
+    digest = cluster.peers[0].call("step", version=3, replicate=False)["digest"]
+    assert cluster.peers[1].call("step", version=3, replicate=False)["digest"] == digest
+    cluster.peers[1].call("step", version=4, replicate=False)
+    cluster.peers[0].kill()
+    replacement = cluster.start(0, name="replacement", groups=[[0, 1]], state_rank=0)
+    replacement.call("connect", addresses=cluster.addresses)
+    return replacement, digest
+
+
+def test_a_holder_on_this_machine_is_read_from_its_memory():
+    with Cluster(["a", "b"], k=1, groups=[[0, 1]], state_rank=0, **SMALL) as cluster:
+        replacement, digest = _replica_group_with_a_replacement(cluster)
+        holder = cluster.peers[1].call("region", version=3)
+        assert holder["address"] != 0
+        reply = replacement.call("recover", rank=0, version=3, sources=[1],
+                                 same_machine={1: [holder["pid"], holder["address"]]})
+        assert reply["ok"] and reply["version"] == 3 and reply["digest"] == digest, reply
+        assert reply["chunks_from_memory"] == reply["chunks"] > 1
+
+
+@pytest.mark.parametrize("wrong", ["unmapped address", "process gone", "another version's region"])
+def test_what_cannot_be_read_from_memory_comes_over_tcp(wrong):
+    with Cluster(["a", "b"], k=1, groups=[[0, 1]], state_rank=0, **SMALL) as cluster:
+        dead_pid = cluster.peers[0].proc.pid
+        replacement, digest = _replica_group_with_a_replacement(cluster)
+        holder = cluster.peers[1].call("region", version=3)
+        source = {"unmapped address": [holder["pid"], 4096],
+                  "process gone": [dead_pid, holder["address"]],
+                  "another version's region": [holder["pid"], cluster.peers[1].call("region", version=4)["address"]],
+                  }[wrong]
+        reply = replacement.call("recover", rank=0, version=3, sources=[1], same_machine={1: source})
+        assert reply["ok"] and reply["version"] == 3 and reply["digest"] == digest, reply
+        assert reply["chunks_from_memory"] == 0
+
+
 def test_replica_group_pulls_from_peers_with_no_replication_traffic():
     # Ranks 0 and 1 are data-parallel replicas (identical state) on different nodes.
     nodes = ["a", "b"]

@@ -189,12 +189,22 @@ void bind_replication(py::module_& m) {
         return v < 0 ? py::none() : py::cast(v);
       })
       .def("pull",
-           [](Replicator& r, const std::vector<std::pair<int, int>>& sources, int64_t version) {
+           [](Replicator& r, const std::vector<py::tuple>& sources, int64_t version) {
              std::vector<PullSource> from;
-             for (const auto& [peer, rank] : sources) from.push_back(PullSource{peer, rank});
+             for (const py::tuple& t : sources) {
+               if (t.size() != 2 && t.size() != 4)
+                 raise_if_error(Status(StatusCode::kInvalidArgument, "each source is (peer, rank[, pid, region])"));
+               PullSource s{t[0].cast<int>(), t[1].cast<int>()};
+               if (t.size() == 4) {
+                 s.pid = t[2].cast<int>();
+                 s.region = t[3].cast<uintptr_t>();
+               }
+               from.push_back(s);
+             }
              int64_t pulled = -1;
-             call_without_gil([&] { return r.pull(from, version, &pulled); });
-             return pulled;
+             size_t from_memory = 0;
+             call_without_gil([&] { return r.pull(from, version, &pulled, &from_memory); });
+             return py::make_tuple(pulled, from_memory);
            },
            py::arg("sources"), py::arg("version") = -1);
 

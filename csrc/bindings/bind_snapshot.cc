@@ -73,6 +73,7 @@ void bind_snapshot(py::module_& m) {
         s.cancel();
       })
       .def("buffer_names", &SnapshotStore::buffer_names)
+      .def("region_address", &SnapshotStore::region_address, py::arg("version"))
       .def("wait", [](SnapshotStore& s) { call_without_gil([&] { return s.wait(); }); })
       .def("restore", [](SnapshotStore& s, int64_t version, bool verify) {
         size_t written = 0;

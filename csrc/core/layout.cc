@@ -93,6 +93,33 @@ Status build_layout(const std::vector<BufferRegistration>& buffers, size_t chunk
   return Status::Ok();
 }
 
+Status fill_chunk(const Layout& layout, size_t c, unsigned char* chunk_dst, const ChunkReader& read, uint32_t* crc) {
+  const ChunkPlacement& chunk = layout.chunks[c];
+  const Segment* seg = layout.segments.data() + chunk.first_segment;
+  const Segment* const end = seg + chunk.segment_count;
+  constexpr size_t kPiece = 256 * 1024;  // fits in L2 with room to spare
+  uint32_t sum = 0;
+  size_t at = chunk.offset;  // region offset filled so far
+  const size_t stop = chunk.offset + chunk.nbytes;
+  while (at < stop) {
+    size_t got = 0;
+    PEERSTATE_RETURN_IF_ERROR(read(chunk_dst + (at - chunk.offset), std::min(kPiece, stop - at), &got));
+    // Checksum the parts of segments inside [at, at + got); padding between segments is skipped.
+    for (; seg != end && seg->region_offset < at + got;) {
+      const size_t lo = std::max(seg->region_offset, at);
+      const size_t hi = std::min(seg->region_offset + seg->nbytes, at + got);
+      if (lo < hi) sum = crc32c_extend(sum, chunk_dst + (lo - chunk.offset), hi - lo);
+      if (seg->region_offset + seg->nbytes <= at + got)
+        ++seg;
+      else
+        break;
+    }
+    at += got;
+  }
+  *crc = sum;
+  return Status::Ok();
+}
+
 uint32_t chunk_checksum(const Layout& layout, size_t c, const unsigned char* region) {
   const ChunkPlacement& chunk = layout.chunks[c];
   uint32_t crc = 0;

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,13 @@ struct Layout {
 
 // CRC32C of chunk `c` as it lies in `region` (over its segments, in order).
 uint32_t chunk_checksum(const Layout& layout, size_t c, const unsigned char* region);
+
+// Fills chunk `c` at `chunk_dst` (its place in a region) piece by piece with
+// `read(dst, max, &got)`, which writes 1..max bytes at dst, and sets *crc to
+// the chunk's CRC32C, each piece checksummed while it is still in cache.
+// Returns the first error of `read`.
+using ChunkReader = std::function<Status(unsigned char* dst, size_t max, size_t* got)>;
+Status fill_chunk(const Layout& layout, size_t c, unsigned char* chunk_dst, const ChunkReader& read, uint32_t* crc);
 
 // Builds the layout of `buffers` (kInvalidArgument for chunk_bytes < 64).
 Status build_layout(const std::vector<BufferRegistration>& buffers, size_t chunk_bytes, Layout* out);

@@ -1,5 +1,7 @@
 #include "core/replication.h"
 
+#include "core/process_memory.h"
+
 #include <algorithm>
 
 namespace peerstate {
@@ -65,7 +67,9 @@ int64_t Replicator::in_flight_version() const {
   return round_ && !round_->joined ? round_->version : -1;
 }
 
-Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled) {
+Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled,
+                        size_t* chunks_from_memory) {
+  if (chunks_from_memory != nullptr) *chunks_from_memory = 0;
   if (sources.empty()) return Status(StatusCode::kNotFound, "no source to pull from");
   // One metadata round trip to the first source that answers; then every
   // source serves chunks. One that lacks the version fails its first chunk
@@ -88,14 +92,23 @@ Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version,
   PEERSTATE_RETURN_IF_ERROR(store_->begin_receive(meta.version, meta.layout, &region));
   ChunkQueue queue(meta.layout->chunks.size());
   std::vector<Status> results(sources.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < sources.size(); i++)
-    threads.emplace_back([&, i] {
-      TransferPlan plan{meta, region, &queue};
-      plan.meta.source_rank = sources[i].rank;
-      results[i] = transport_->receive(sources[i].peer, plan);
-    });
-  for (auto& t : threads) t.join();
+  auto run = [&](bool from_memory) {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < sources.size(); i++) {
+      const PullSource& s = sources[i];
+      if (from_memory && (s.pid <= 0 || s.region == 0 || meta.version != version)) continue;
+      threads.emplace_back([&, i, from_memory] {
+        TransferPlan plan{meta, region, &queue};
+        plan.meta.source_rank = sources[i].rank;
+        results[i] = from_memory ? receive_from_process(sources[i].pid, sources[i].region, plan)
+                                 : transport_->receive(sources[i].peer, plan);
+      });
+    }
+    for (auto& t : threads) t.join();
+  };
+  run(/*from_memory=*/true);
+  if (chunks_from_memory != nullptr) *chunks_from_memory = queue.done_count();
+  if (!queue.finished()) run(/*from_memory=*/false);
   if (!queue.finished()) {
     (void)store_->end_receive(meta.version, meta.checksums, false);
     std::string why;

@@ -33,6 +33,11 @@ namespace peerstate {
 struct PullSource {
   int peer = -1;
   int rank = -1;
+  // A holder on this machine may also name its process and the address of the
+  // version's region there: its chunks are then read straight from its memory
+  // (process_memory.h), and only what that cannot provide goes over the transport.
+  int pid = 0;
+  uintptr_t region = 0;
 };
 
 struct HolderResult {
@@ -59,8 +64,11 @@ class Replicator {
   // has) of one rank's state from `sources` into the local store, all of them
   // serving chunks at once. Returns the version pulled. kNotFound when no
   // source has it; kConnectionError, naming each source's failure, when the
-  // sources died before every chunk arrived.
-  Status pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled);
+  // sources died before every chunk arrived. Sources with a pid and region are
+  // read first, all at once; the transport then carries what is left, if any.
+  // `chunks_from_memory` (optional) receives how many chunks were read that way.
+  Status pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled,
+              size_t* chunks_from_memory = nullptr);
 
  private:
   struct Round;

@@ -645,6 +645,14 @@ Status SnapshotStore::view(int64_t version, VersionView* out) const {
                                                   : "version " + std::to_string(version) + " is not a committed snapshot");
 }
 
+uintptr_t SnapshotStore::region_address(int64_t version) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& s : slots_)
+    if (s->state != Slot::State::kEmpty && s->version == version)
+      return reinterpret_cast<uintptr_t>(s->region.data());
+  return 0;
+}
+
 Status SnapshotStore::begin_receive(int64_t version, std::shared_ptr<const Layout> layout, unsigned char** region) {
   if (closed_) return Status(StatusCode::kInvalidArgument, "the snapshot store is closed");
   PEERSTATE_RETURN_IF_ERROR(wait());

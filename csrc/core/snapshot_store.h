@@ -147,6 +147,12 @@ class SnapshotStore {
   // snapshot or the store closes.
   Status view(int64_t version, VersionView* out) const;
 
+  // Where `version` (committed or in flight) lies in this process's memory, for
+  // a puller on this machine that reads it directly (process_memory.h); 0 when
+  // no slot holds it. The bytes of a version in flight are complete only once
+  // it commits; a reader verifies each chunk's checksum.
+  uintptr_t region_address(int64_t version) const;
+
   // Receiving a version from a peer instead of copying it from the buffers:
   // begin_receive() reserves a slot for `version` laid out as `layout` (which
   // must match the registration: kRegistrationMismatch) and returns its region

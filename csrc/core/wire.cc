@@ -187,30 +187,9 @@ Status decode_meta(const std::string& bytes, VersionMeta* out) {
 
 Status recv_chunk(Socket& s, const Layout& layout, size_t c, unsigned char* chunk_dst, Deadline deadline,
                   uint32_t* crc) {
-  const ChunkPlacement& chunk = layout.chunks[c];
-  const Segment* seg = layout.segments.data() + chunk.first_segment;
-  const Segment* const end = seg + chunk.segment_count;
-  constexpr size_t kPiece = 256 * 1024;  // fits in L2 with room to spare
-  uint32_t sum = 0;
-  size_t at = chunk.offset;  // region offset received so far
-  const size_t stop = chunk.offset + chunk.nbytes;
-  while (at < stop) {
-    size_t got = 0;
-    PEERSTATE_RETURN_IF_ERROR(s.recv_some(chunk_dst + (at - chunk.offset), std::min(kPiece, stop - at), &got, deadline));
-    // Checksum the parts of segments inside [at, at + got); padding between segments is skipped.
-    for (; seg != end && seg->region_offset < at + got; ) {
-      const size_t lo = std::max(seg->region_offset, at);
-      const size_t hi = std::min(seg->region_offset + seg->nbytes, at + got);
-      if (lo < hi) sum = crc32c_extend(sum, chunk_dst + (lo - chunk.offset), hi - lo);
-      if (seg->region_offset + seg->nbytes <= at + got)
-        ++seg;
-      else
-        break;
-    }
-    at += got;
-  }
-  *crc = sum;
-  return Status::Ok();
+  return fill_chunk(
+      layout, c, chunk_dst,
+      [&](unsigned char* dst, size_t max, size_t* got) { return s.recv_some(dst, max, got, deadline); }, crc);
 }
 
 Status handshake_client(Socket& s, const std::string& secret, int32_t rank, Deadline deadline) {

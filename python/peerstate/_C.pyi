@@ -53,6 +53,9 @@ class SnapshotStore:
         """Cancel the version in flight (if any) and wait for its copies to stop."""
     def buffer_names(self) -> List[str]:
         """Registered names in layout order: host buffers first, then device ones."""
+    def region_address(self, version: int) -> int:
+        """Address of the slot holding `version` (committed or in flight) in this process; 0 if none.
+        For a puller on this machine (Replicator.pull's pid/region sources)."""
     def wait(self) -> None:
         """Block (GIL released) until the version in flight commits; raise its error."""
     def restore(self, version: int, verify: bool = True) -> int:
@@ -171,8 +174,11 @@ class Replicator:
     def replicate(self, version: int, holders: List[int]) -> None: ...
     def wait(self, version: int) -> List[Tuple[int, Optional[Error]]]: ...
     def in_flight_version(self) -> Optional[int]: ...
-    def pull(self, sources: List[Tuple[int, int]], version: int = -1) -> int:
-        """(peer, whose state) pairs; lands a committed version in the store; returns it."""
+    def pull(self, sources: List[Tuple[int, ...]], version: int = -1) -> Tuple[int, int]:
+        """(peer, whose state[, pid, region]) sources; lands a committed version in the store;
+        returns (that version, chunks read from same-machine memory). With pid and region (a holder on this machine, region_address() there, for
+        `version` itself), chunks are read from that process's memory first; the transport
+        carries whatever that could not provide (not permitted, process gone, bad checksum)."""
 
 def hmac_sha256(key: bytes, data: bytes) -> bytes: ...
 def nccl_load() -> Dict[str, Any]:

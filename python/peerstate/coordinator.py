@@ -88,6 +88,8 @@ class MemberReport:
     address: Tuple[str, int]         # its replication server
     needs_state: bool = False        # new in this epoch, or joined earlier and not restored yet
     shared_address: Optional[Tuple[str, int]] = None  # its server of data-parallel state, if any
+    pid: int = 0
+    shared_regions: Dict[int, int] = field(default_factory=dict)  # version -> its address in that store
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -96,6 +98,7 @@ class MemberReport:
     def decode(cls, raw: bytes) -> "MemberReport":
         data = json.loads(raw)
         data["replicas"] = {int(s): list(v) for s, v in data["replicas"].items()}
+        data["shared_regions"] = {int(v): a for v, a in data.get("shared_regions", {}).items()}
         data["address"] = tuple(data["address"])
         if data.get("shared_address"):
             data["shared_address"] = tuple(data["shared_address"])
@@ -149,6 +152,16 @@ def sources_of(rank: int, version: int, reports: Mapping[int, MemberReport],
     group = placement.replica_group(rank)
     return [s for s in placement.sources(rank)
             if (s in group and version in reports[s].local) or version in reports[s].replicas.get(rank, [])]
+
+
+def same_node_regions(worker: str, version: int, sources: List[int],
+                      reports: Mapping[int, MemberReport]) -> Dict[int, Tuple[int, int]]:
+    """source -> (pid, address of ``version``'s data-parallel region) for the sources
+    on ``worker``'s node: a replacement reads those straight from their memory."""
+    node = node_of_worker(worker)
+    return {s: (reports[s].pid, reports[s].shared_regions[version]) for s in sources
+            if node_of_worker(reports[s].worker) == node and reports[s].pid
+            and reports[s].shared_regions.get(version)}
 
 
 class Coordinator:

@@ -53,7 +53,7 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from peerstate.coordinator import (Coordinator, MemberReport, RecoveryPlan, node_of_worker, recovery_point,
-                                   sources_of)
+                                   same_node_regions, sources_of)
 from peerstate.errors import AbortedError, InvalidArgumentError, JobFailedError, StateLostError
 from peerstate.kvstore import TorchKeyValueStore
 from peerstate.placement import BuddyPlacement, PlacementWarning
@@ -487,9 +487,10 @@ class Job:
         # It is waited for below only if it is the recovery point.
         local = set.intersection(*({*store.committed_versions(), store.in_flight_version()} - {None}
                                    for store in self._stores()))
+        shared_regions = {v: self.shared.region_address(v) for v in local} if self._data_parallel else {}
         self.kv.set(f"epoch/{plan.epoch}/report/{self.rank}", MemberReport(
             self.rank, self.worker, sorted(local), self.replication.held_versions(), self.replication.address,
-            self._needs_state, self.shared_replication.address).encode())
+            self._needs_state, self.shared_replication.address, os.getpid(), shared_regions).encode())
         reports = self._gather_reports(plan.epoch)
         self.replication.connect({r: report.address for r, report in reports.items()})
         self.shared_replication.connect({r: report.shared_address for r, report in reports.items()})
@@ -500,8 +501,9 @@ class Job:
             if version is None:
                 restore = self._fall_back_to_checkpoint(plan, lost)
             else:
-                restore = ("pull", version, (sources_of(self.rank, version, reports, self.placement),
-                                             sources_of(self.rank, version, reports, self.shared_placement)))
+                shared_sources = sources_of(self.rank, version, reports, self.shared_placement)
+                restore = ("pull", version, (sources_of(self.rank, version, reports, self.placement), shared_sources,
+                                             same_node_regions(self.worker, version, shared_sources, reports)))
             self.next_step = restore[1] + 1
             self._first_step_after = self.next_step
         # Rolling back from memory overlaps the re-forming of the group: both take tens
@@ -615,10 +617,12 @@ class Job:
             self._load_checkpoint(where, version)
             self._mark("transfer")
         else:
-            own_sources, shared_sources = where
+            own_sources, shared_sources, same_node = where
             self.replication.pull(self.rank, version, sources=own_sources)
             if self._data_parallel:
-                self.shared_replication.pull(self.rank, version, sources=shared_sources)
+                self.shared_replication.pull(self.rank, version, sources=shared_sources, same_machine=same_node)
+                self.events.write("pulled", rank=self.rank, version=version, same_node_sources=sorted(same_node),
+                                  chunks_from_memory=self.shared_replication.last_pull_chunks_from_memory)
             self._mark("transfer")
             self._restore_stores(version, verify=False)  # verified chunk by chunk as it arrived
         self._mark("restore")

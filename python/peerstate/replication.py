@@ -72,6 +72,7 @@ class Replication:
         self._transport_options = dict(secret=secret, rank=rank, connections_per_peer=connections_per_peer,
                                        connect_timeout_ms=min(io_ms, 5000), io_timeout_ms=io_ms)
         self._addresses: Dict[int, Address] = {}
+        self.last_pull_chunks_from_memory = 0  # of the last pull(): read from a same-machine holder's memory
         self.transport = _C.TcpTransport(**self._transport_options)
         self.replicator = _C.Replicator(store.native, self.transport, rank)
         store.add_pre_snapshot_hook(self._wait_before_snapshot)
@@ -124,16 +125,23 @@ class Replication:
                     raise type(error)(f"replication of version {version} to rank {holder} failed: {error}")
         return results
 
-    def pull(self, rank: int, version: int = -1, sources: Optional[List[int]] = None) -> int:
+    def pull(self, rank: int, version: int = -1, sources: Optional[List[int]] = None,
+             same_machine: Optional[Dict[int, Tuple[int, int]]] = None) -> int:
         """Fetch ``rank``'s state (``version``, or the newest its first source has) from its
         sources, chunks split among them, into this rank's store as a committed version.
-        Does not restore it. Returns the version."""
+        Does not restore it. Returns the version.
+
+        ``same_machine``: source -> (pid, region address of ``version`` there) for sources
+        on this machine: their chunks are read straight from their memory, and only what
+        that cannot provide (not permitted, process gone) travels over TCP."""
         peers = self.placement.sources(rank) if sources is None else sources
         group = set(self.placement.replica_group(rank))
-        pairs = [(p, p if p in group else rank) for p in peers if p != self.rank]
+        local = same_machine or {}
+        pairs = [(p, p if p in group else rank, *local.get(p, ())) for p in peers if p != self.rank]
         if not pairs:
             raise InvalidArgumentError(f"rank {rank} has no source other than this rank")
-        return self.replicator.pull(pairs, version)
+        pulled, self.last_pull_chunks_from_memory = self.replicator.pull(pairs, version)
+        return pulled
 
     def recover(self, rank: int, version: int = -1, sources: Optional[List[int]] = None) -> int:
         """pull() then restore into the registered buffers, without a second checksum

@@ -231,6 +231,11 @@ class SnapshotStore:
         """Layout and chunk checksums of a committed version."""
         return self._native.version_info(version)
 
+    def region_address(self, version: int) -> int:
+        """Address of ``version``'s bytes (committed or in flight) in this process, 0 if
+        none: a puller on this machine reads them from there (``Replication.pull``)."""
+        return self._native.region_address(version)
+
     def stored_bytes(self, version: int) -> memoryview:
         """The raw bytes of a committed version (writable: for transports and fault tests)."""
         return self._native.stored_bytes(version)
