@@ -162,14 +162,16 @@ class SnapshotStore:
         if self._objects:
             self._native.wait()  # the object buffer is about to change: the last copy must be done
             self._write_objects()
-        if not self.validate:
+        checks = self._registration_checks() if self.validate else None
+        if checks is None or len(checks.host) <= 1:
+            if checks is not None:
+                self._check_registration()
             self._native.snapshot(version, self._after_stream())
             return SnapshotHandle(self, version)
         # Host buffers are checked in batches while the copy of those already
         # checked runs (gated in the native store): with tens of thousands of
         # small tensors the check alone is a quarter of the copy's time.
         # Device copies are queued by the native call, so those are checked first.
-        checks = self._registration_checks()
         for batch in checks.device:
             batch.check()
         self._native.snapshot(version, self._after_stream(), gated=True)
