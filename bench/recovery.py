@@ -51,9 +51,12 @@ def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, t
         if codes != [0, 0]:
             raise RuntimeError(f"the peerstate job failed ({codes}):\n{job.agent_logs[0].read_text()[-2000:]}")
         [recovery] = job.events("recovery")
+        pulled = job.events("pulled")
     finally:
         job.close()
-    return {"phases": recovery["phases_s"], "total_s": recovery["total_s"], "from": recovery["from"]}
+    return {"phases": recovery["phases_s"], "total_s": recovery["total_s"], "from": recovery["from"],
+            "chunks_from_memory": sum(p["chunks_from_memory"] for p in pulled),
+            "chunks_pulled": sum(p["chunks"] for p in pulled)}
 
 
 def _times(work: Path, generation: int, pattern: str) -> list:
@@ -104,8 +107,11 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
             (work / "base").mkdir()
             ours.append(peerstate_recovery(work / "ours", state_mib, steps, kill_step, timeout, replicated))
             baseline.append(restart_recovery(work / "base", state_mib, steps, kill_step, timeout))
+        memory = (f", {ours[-1]['chunks_from_memory']} of {ours[-1]['chunks_pulled']} data-parallel chunks read "
+                  "from same-node memory" if ours[-1]["chunks_pulled"] else "")
         print(f"  run {index + 1}/{repeat}: peerstate {ours[-1]['total_s']:.3f}s, "
-              f"restart {baseline[-1]['total_s']:.3f}s", flush=True)
+              f"restart {baseline[-1]['total_s']:.3f}s ({baseline[-1]['total_s'] / ours[-1]['total_s']:.1f}x)"
+              f"{memory}", flush=True)
     median = statistics.median
     rows = [{"phase": p, "ours_s": median(r["phases"][p] for r in ours), "baseline_s": None, "speedup": None}
             for p in OUR_PHASES]
@@ -118,12 +124,18 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
     for row in rows:
         row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat,
                    state_from="buddies (replicated)" if replicated else "surviving ranks (data_parallel)")
+    rows.append({"phase": "each run", "runs": [
+        {"ours_s": o["total_s"], "baseline_s": b["total_s"], "speedup": b["total_s"] / o["total_s"],
+         "chunks_from_memory": o["chunks_from_memory"], "chunks_pulled": o["chunks_pulled"]}
+        for o, b in zip(ours, baseline)]})
     return rows
 
 
 def print_table(rows: list) -> None:
     print(f"{'phase':<28}{'peerstate s':>13}{'restart s':>12}{'speedup':>10}")
     for row in rows:
+        if "runs" in row and "ours_s" not in row:
+            continue  # the per-run figures, printed as they came
         cells = [f"{row[k]:.3f}" if row[k] is not None else "" for k in ("ours_s", "baseline_s")]
         speedup = f"{row['speedup']:.1f}x" if row["speedup"] else ""
         print(f"{row['phase']:<28}{cells[0]:>13}{cells[1]:>12}{speedup:>10}")

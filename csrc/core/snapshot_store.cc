@@ -307,15 +307,18 @@ Status SnapshotStore::snapshot(int64_t version, uintptr_t after_stream, bool gat
     std::lock_guard<std::mutex> lock(mutex_);
     in_flight_ = job;
   }
-  // Host chunks go to the workers in long runs of consecutive chunks, two per
+  // Host chunks go to the workers in long runs of consecutive chunks, eight per
   // thread and equal in chunk count (chunks are equal in size but for the last
   // of each buffer): each thread then streams through memory like one big
-  // memcpy, measured ~10% faster than handing out 4 MiB chunks one by one.
+  // memcpy, measured ~10% faster than handing out 4 MiB chunks one by one,
+  // while a thread slowed by a neighbour on its core leaves the others only a
+  // short run to wait for (two per thread measured 0.83-1.00 of a plain copy
+  // at 2 GiB on a shared VM, eight 0.98-1.03).
   // Device chunks stay one per item, so each is checksummed as soon as it lands.
   // The layout puts host chunks first, so they are chunks [0, host).
   size_t host = 0;
   while (host < layout->chunks.size() && layout->chunks[host].device == kHostDevice) host++;
-  const size_t runs = std::min(host, 2 * pool_->size());
+  const size_t runs = std::min(host, 8 * pool_->size());
   for (size_t r = 0; r < runs; r++) job->work.emplace_back(r * host / runs, (r + 1) * host / runs);
   for (size_t c = host; c < layout->chunks.size(); c++) job->work.emplace_back(c, c + 1);
   InFlight* raw = job.get();

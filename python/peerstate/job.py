@@ -622,7 +622,8 @@ class Job:
             if self._data_parallel:
                 self.shared_replication.pull(self.rank, version, sources=shared_sources, same_machine=same_node)
                 self.events.write("pulled", rank=self.rank, version=version, same_node_sources=sorted(same_node),
-                                  chunks_from_memory=self.shared_replication.last_pull_chunks_from_memory)
+                                  chunks_from_memory=self.shared_replication.last_pull_chunks_from_memory,
+                                  chunks=len(self.shared.version_info(version)["chunks"]))
             self._mark("transfer")
             self._restore_stores(version, verify=False)  # verified chunk by chunk as it arrived
         self._mark("restore")
