@@ -68,6 +68,10 @@ def test_kill_one_worker_recovers_bitwise(run, reference, data_parallel):
     assert all(v is not None and v >= 0 for v in recovery["phases_s"].values())
     [end] = job.events("job_end")
     assert end["steps"] == STEPS and 0 < end["goodput"] <= 1
+    if data_parallel:  # the spare (node 0) read the model state from ranks 0 and 1 on its node, not over TCP
+        [pulled] = job.events("pulled")
+        assert pulled["same_node_sources"] == [0, 1], pulled
+        assert pulled["chunks_from_memory"] == pulled["chunks"] > 0, pulled
 
 
 def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):

@@ -1,8 +1,8 @@
 #include "core/replication.h"
 
-#include "core/process_memory.h"
-
 #include <algorithm>
+
+#include "core/process_memory.h"
 
 namespace peerstate {
 
