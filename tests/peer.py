@@ -104,8 +104,7 @@ class Peer:
         self.store.restore(pulled, verify=False)
         reply = {"version": pulled, "digest": digest_tensors(self.tensors)}
         if same_machine is not None:
-            reply.update(chunks_from_memory=self.replication.last_pull_chunks_from_memory,
-                         chunks=len(self.store.version_info(pulled)["chunks"]))
+            reply.update(self.replication.last_pull)
         return reply
 
     def region(self, version):

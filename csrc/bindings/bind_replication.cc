@@ -202,9 +202,9 @@ void bind_replication(py::module_& m) {
                from.push_back(s);
              }
              int64_t pulled = -1;
-             size_t from_memory = 0;
-             call_without_gil([&] { return r.pull(from, version, &pulled, &from_memory); });
-             return py::make_tuple(pulled, from_memory);
+             PullStats stats;
+             call_without_gil([&] { return r.pull(from, version, &pulled, &stats); });
+             return py::make_tuple(pulled, stats.chunks, stats.chunks_from_memory);
            },
            py::arg("sources"), py::arg("version") = -1);
 

@@ -68,8 +68,8 @@ int64_t Replicator::in_flight_version() const {
 }
 
 Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled,
-                        size_t* chunks_from_memory) {
-  if (chunks_from_memory != nullptr) *chunks_from_memory = 0;
+                        PullStats* stats) {
+  if (stats != nullptr) *stats = PullStats();
   if (sources.empty()) return Status(StatusCode::kNotFound, "no source to pull from");
   // One metadata round trip to the first source that answers; then every
   // source serves chunks. One that lacks the version fails its first chunk
@@ -107,7 +107,7 @@ Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version,
     for (auto& t : threads) t.join();
   };
   run(/*from_memory=*/true);
-  if (chunks_from_memory != nullptr) *chunks_from_memory = queue.done_count();
+  if (stats != nullptr) *stats = PullStats{meta.layout->chunks.size(), queue.done_count()};
   if (!queue.finished()) run(/*from_memory=*/false);
   if (!queue.finished()) {
     (void)store_->end_receive(meta.version, meta.checksums, false);

@@ -40,6 +40,13 @@ struct PullSource {
   uintptr_t region = 0;
 };
 
+// What a pull moved: every chunk of the version, and how many of them were
+// read straight from a same-machine holder's memory.
+struct PullStats {
+  size_t chunks = 0;
+  size_t chunks_from_memory = 0;
+};
+
 struct HolderResult {
   int holder = -1;
   Status status;
@@ -66,9 +73,9 @@ class Replicator {
   // source has it; kConnectionError, naming each source's failure, when the
   // sources died before every chunk arrived. Sources with a pid and region are
   // read first, all at once; the transport then carries what is left, if any.
-  // `chunks_from_memory` (optional) receives how many chunks were read that way.
+  // `stats` (optional) receives how many chunks came, and how many of them that way.
   Status pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled,
-              size_t* chunks_from_memory = nullptr);
+              PullStats* stats = nullptr);
 
  private:
   struct Round;

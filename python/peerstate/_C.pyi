@@ -174,12 +174,12 @@ class Replicator:
     def replicate(self, version: int, holders: List[int]) -> None: ...
     def wait(self, version: int) -> List[Tuple[int, Optional[Error]]]: ...
     def in_flight_version(self) -> Optional[int]: ...
-    def pull(self, sources: List[Tuple[int, ...]], version: int = -1) -> Tuple[int, int]:
+    def pull(self, sources: List[Tuple[int, ...]], version: int = -1) -> Tuple[int, int, int]:
         """(peer, whose state[, pid, region]) sources; lands a committed version in the store;
-        returns (that version, chunks read from same-machine memory). With pid and region (a
-        holder on this machine, region_address() there, for `version` itself), chunks are read
-        from that process's memory first; the transport carries whatever that could not
-        provide (not permitted, process gone, bad checksum)."""
+        returns (that version, its chunks, those read from same-machine memory). With pid
+        and region (a holder on this machine, region_address() there, for `version` itself),
+        chunks are read from that process's memory first; the transport carries whatever
+        that could not provide (not permitted, process gone, bad checksum)."""
 
 def hmac_sha256(key: bytes, data: bytes) -> bytes: ...
 def nccl_load() -> Dict[str, Any]:

@@ -154,6 +154,11 @@ def sources_of(rank: int, version: int, reports: Mapping[int, MemberReport],
             if (s in group and version in reports[s].local) or version in reports[s].replicas.get(rank, [])]
 
 
+def _assignment(epoch: int, rank: int) -> bytes:
+    """The value of a spare's ``assign/{worker}`` key."""
+    return json.dumps({"epoch": epoch, "rank": rank}).encode()
+
+
 def same_node_regions(worker: str, version: int, sources: List[int],
                       reports: Mapping[int, MemberReport]) -> Dict[int, Tuple[int, int]]:
     """source -> (pid, address of ``version``'s data-parallel region) for the sources
@@ -254,7 +259,7 @@ class Coordinator:
             plan = RecoveryPlan(epoch, members, replaced, failed, reason, detected_at, time.time())
             self.kv.set(f"epoch/{epoch}/plan", plan.encode())
             for rank, worker in replaced.items():
-                self.kv.set(f"assign/{worker}", json.dumps({"epoch": epoch, "rank": rank}).encode())
+                self.kv.set(f"assign/{worker}", _assignment(epoch, rank))
             return plan
 
     def _wait_or_take_over(self, epoch: int, me: str, timeout: float) -> bool:
@@ -285,7 +290,7 @@ class Coordinator:
         waiting = set(spares)
         ranks = {w: r for r, w in plan.members.items() if w in waiting}
         for worker, rank in ranks.items():
-            self.kv.compare_set(f"assign/{worker}", b"", json.dumps({"epoch": plan.epoch, "rank": rank}).encode())
+            self.kv.compare_set(f"assign/{worker}", b"", _assignment(plan.epoch, rank))
         return ranks
 
     def _assign_spares(self, epoch: int, failed: Sequence[int], current: RecoveryPlan,

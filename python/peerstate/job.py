@@ -281,6 +281,7 @@ class Job:
         self._guarded = False
         self._marks: Dict[str, float] = {}
         self._first_step_after: Optional[int] = None
+        self._pulled: Optional[Dict[str, Any]] = None  # a replacement's data-parallel pull, for the event log
         self._step_seconds: List[float] = []
         self._start_recorded = False
         self._closed = False
@@ -621,9 +622,8 @@ class Job:
             self.replication.pull(self.rank, version, sources=own_sources)
             if self._data_parallel:
                 self.shared_replication.pull(self.rank, version, sources=shared_sources, same_machine=same_node)
-                self.events.write("pulled", rank=self.rank, version=version, same_node_sources=sorted(same_node),
-                                  chunks_from_memory=self.shared_replication.last_pull_chunks_from_memory,
-                                  chunks=len(self.shared.version_info(version)["chunks"]))
+                self._pulled = dict(rank=self.rank, version=version, same_node_sources=sorted(same_node),
+                                    **self.shared_replication.last_pull)  # logged after the first step
             self._mark("transfer")
             self._restore_stores(version, verify=False)  # verified chunk by chunk as it arrived
         self._mark("restore")
@@ -728,6 +728,9 @@ class Job:
         self._marks[phase] = time.time()
 
     def _publish_marks(self) -> None:
+        if self._pulled is not None:
+            self.events.write("pulled", **self._pulled)
+            self._pulled = None
         epoch = self.epoch
         self.kv.set(f"epoch/{epoch}/marks/{self.rank}", json.dumps(self._marks).encode())
         if self.kv.add(f"epoch/{epoch}/marks_done", 1) != self.world_size:

@@ -72,7 +72,8 @@ class Replication:
         self._transport_options = dict(secret=secret, rank=rank, connections_per_peer=connections_per_peer,
                                        connect_timeout_ms=min(io_ms, 5000), io_timeout_ms=io_ms)
         self._addresses: Dict[int, Address] = {}
-        self.last_pull_chunks_from_memory = 0  # of the last pull(): read from a same-machine holder's memory
+        # The last pull(): its chunks, and how many were read from a same-machine holder's memory.
+        self.last_pull = {"chunks": 0, "chunks_from_memory": 0}
         self.transport = _C.TcpTransport(**self._transport_options)
         self.replicator = _C.Replicator(store.native, self.transport, rank)
         store.add_pre_snapshot_hook(self._wait_before_snapshot)
@@ -140,7 +141,8 @@ class Replication:
         pairs = [(p, p if p in group else rank, *local.get(p, ())) for p in peers if p != self.rank]
         if not pairs:
             raise InvalidArgumentError(f"rank {rank} has no source other than this rank")
-        pulled, self.last_pull_chunks_from_memory = self.replicator.pull(pairs, version)
+        pulled, chunks, from_memory = self.replicator.pull(pairs, version)
+        self.last_pull = {"chunks": chunks, "chunks_from_memory": from_memory}
         return pulled
 
     def recover(self, rank: int, version: int = -1, sources: Optional[List[int]] = None) -> int:

@@ -18,7 +18,7 @@ import sys
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 from peerstate import _C
-from peerstate.buffers import Buffer, describe
+from peerstate.buffers import HOST, Buffer, describe
 from peerstate.errors import InvalidArgumentError, NotFoundError, RegistrationMismatchError
 
 OBJECTS_BUFFER = "__peerstate_objects__"
@@ -163,9 +163,9 @@ class SnapshotStore:
             self._native.wait()  # the object buffer is about to change: the last copy must be done
             self._write_objects()
         checks = self._registration_checks() if self.validate else None
-        if checks is None or len(checks.host) <= 1:
+        if checks is None or len(checks.host) <= 1:  # nothing to check, or nothing to overlap the check with
             if checks is not None:
-                self._check_registration()
+                checks.check_all()
             self._native.snapshot(version, self._after_stream())
             return SnapshotHandle(self, version)
         # Host buffers are checked in batches while the copy of those already
@@ -197,7 +197,7 @@ class SnapshotStore:
         moment ago (every chunk was verified as it arrived). Host chunks whose
         bytes already equal the live ones are left alone. Returns the bytes written.
         """
-        self._check_registration()
+        self._registration_checks().check_all()
         if self._objects:
             stored = self._stored_objects(version)
             missing = [n for n in self._objects if stored is not None and n not in stored]
@@ -265,11 +265,6 @@ class SnapshotStore:
         if self._checks is None:
             self._checks = _RegistrationChecks(self._native.buffer_names(), self._buffers)
         return self._checks
-
-    def _check_registration(self) -> None:
-        checks = self._registration_checks()
-        for batch in checks.device + checks.host:
-            batch.check()
 
     def _after_stream(self) -> int:
         if not any(b.device >= 0 for b in self._buffers.values()):
@@ -345,8 +340,12 @@ class _RegistrationChecks:
     BATCH = 256  # buffers per batch: the copy starts after the first one is checked
 
     def __init__(self, layout_order: List[str], buffers: Mapping[str, Buffer]) -> None:
-        host = [(n, buffers[n]) for n in layout_order if buffers[n].device < 0]
-        device = [(n, buffers[n]) for n in layout_order if buffers[n].device >= 0]
+        host = [(n, buffers[n]) for n in layout_order if buffers[n].device == HOST]
+        device = [(n, buffers[n]) for n in layout_order if buffers[n].device != HOST]
         self.host = [_CheckBatch(min(i + self.BATCH, len(host)), host[i : i + self.BATCH])
                      for i in range(0, len(host), self.BATCH)]
         self.device = [_CheckBatch(len(host), device)] if device else []
+
+    def check_all(self) -> None:
+        for batch in self.device + self.host:
+            batch.check()
