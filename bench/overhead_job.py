@@ -1,7 +1,8 @@
 """The job of bench/overhead.py: the demo's GPT under `peerstate run`, with every-step
 capture (snapshot + replication) switched on and off in alternating blocks of
-steps. Rank 0 prints ``step S MODE SECONDS`` for each step (the time from the
-start of one step to the start of the next)."""
+steps. Rank 0 prints ``step S MODE SECONDS CPU_SECONDS`` for each step: the time
+from the start of one step to the start of the next, and the CPU time its
+process (every thread: training, copy, replication, gloo) used meanwhile."""
 
 import argparse
 import time
@@ -34,9 +35,10 @@ last = None
 for step in job.steps(total):
     block = (step - args.warmup) // args.block_steps
     job.capture = step < args.warmup or block % 2 == 0  # on, off, on, off, ...
-    now = time.perf_counter()
+    now = (time.perf_counter(), time.process_time())
     if last is not None and job.rank == 0 and step > args.warmup:
-        print(f"step {step - 1} {'on' if previous_capture else 'off'} {now - last!r}", flush=True)
+        print(f"step {step - 1} {'on' if previous_capture else 'off'} {now[0] - last[0]!r} {now[1] - last[1]!r}",
+              flush=True)
     last, previous_capture = now, job.capture
     with job.guard():
         x, y = batches(step, job.rank)
