@@ -78,6 +78,18 @@ class Peer:
             self.replication.replicate(version)
         return {"digest": digest_tensors(self.tensors)}
 
+    def replicate(self, version):
+        self.replication.replicate(version)
+        return {}
+
+    def roll_back(self, version):
+        self.store.restore(version)
+        return {}
+
+    def drop_newer(self, version):
+        self.replication.drop_newer(version)
+        return {"held": self.replication.held_versions()}
+
     def wait(self, version):
         results = self.replication.wait(version, check=False)
         return {"results": {str(h): (None if e is None else f"{type(e).__name__}: {e}") for h, e in results.items()}}

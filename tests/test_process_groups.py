@@ -43,3 +43,42 @@ def test_a_subgroup_declared_in_a_formed_epoch_is_formed_at_once(groups):
     declared = Subgroup([0], {})
     groups.add(declared, timeout=10)
     assert declared.group is not None and dist.get_world_size(declared.group) == 1
+
+
+_PEER = """
+import sys, datetime, torch, torch.distributed as dist
+from peerstate.kvstore import TorchKeyValueStore
+from peerstate.process_groups import ProcessGroups
+kv = TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=30)
+groups = ProcessGroups("gloo")
+groups.form(kv.torch_store, 1, rank=1, world_size=2, timeout=30)
+for _ in range(2):
+    total = torch.tensor([2])
+    dist.all_reduce(total)
+    print(int(total), flush=True)
+groups.destroy()
+"""
+
+
+def test_an_abort_that_comes_after_its_epoch_formed_leaves_the_group_alone(groups, tmp_path):
+    # The watcher thread of a worker can see a plan after the training loop has
+    # already joined its epoch; the late abort must not shut down the new group.
+    import subprocess
+    import sys
+
+    kv, groups = groups
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, str(kv.port)], stdout=subprocess.PIPE, text=True)
+    try:
+        groups.form(kv.torch_store, 1, rank=0, world_size=2, timeout=30)
+        groups.abort(1)  # late: epoch 1's group is the one formed
+        for _ in range(2):
+            total = torch.tensor([1])
+            dist.all_reduce(total)
+            assert int(total) == 3
+        assert peer.communicate(timeout=60)[0].split() == ["3", "3"]
+        groups.abort(2)  # a newer epoch's abort still goes through
+        with pytest.raises(RuntimeError):
+            dist.all_reduce(torch.tensor([1]))
+    finally:
+        peer.kill()
+        peer.wait()

@@ -37,6 +37,29 @@ def test_replicate_versions_and_pull_back_bitwise(k):
             assert got["digest"] == digests[r]
 
 
+def test_a_holder_takes_the_rerun_after_a_roll_back():
+    # The job rolled back to version 2: the source's re-run of step 3 carries a number
+    # its holder already committed (from the abandoned run), so the holder refuses it
+    # until it drops that run's versions, as every member does on joining a recovery.
+    with Cluster(["a", "b"], k=1, **SMALL) as cluster:
+        source, holder = cluster.peers[0], cluster.peers[1]
+        for version in (1, 2, 3):
+            source.call("step", version=version)
+            assert source.call("wait", version=version)["results"] == {"1": None}
+        source.call("roll_back", version=2)
+        rerun = source.call("step", version=3)["digest"]
+        [refused] = source.call("wait", version=3)["results"].values()
+        assert "not newer than the committed version 3" in refused
+        assert holder.call("drop_newer", version=2)["held"] == {"0": [2]}
+        source.call("replicate", version=3)
+        assert source.call("wait", version=3)["results"] == {"1": None}
+        assert holder.call("holdings")["holdings"]["0"] == {"version": 3, "digest": rerun}
+        assert holder.call("drop_newer", version=0)["held"] == {}  # nothing at or below 0 is left
+        source.call("replicate", version=3)
+        assert source.call("wait", version=3)["results"] == {"1": None}
+        assert holder.call("holdings")["holdings"]["0"] == {"version": 3, "digest": rerun}
+
+
 def test_holder_killed_mid_replication_keeps_survivors_committed():
     with Cluster(["a", "b", "c"], k=2, large_bytes=96 << 20, small_count=10) as cluster:
         source, doomed, survivor = cluster.peers[0], cluster.peers[1], cluster.peers[2]

@@ -94,6 +94,7 @@ void bind_replication(py::module_& m) {
         call_without_gil([&] { return r.reserve(source_rank, bytes_per_version); });  // allocates and faults in
       })
       .def("committed", &ReplicaStore::committed)
+      .def("drop_newer", &ReplicaStore::drop_newer, py::arg("version"))
       .def("held_bytes", &ReplicaStore::held_bytes)
       .def("reserved_bytes", &ReplicaStore::reserved_bytes)
       .def_property_readonly("budget_bytes", &ReplicaStore::budget_bytes)

@@ -200,6 +200,23 @@ std::vector<std::pair<int, int64_t>> ReplicaStore::committed() const {
   return out;
 }
 
+void ReplicaStore::drop_newer(int64_t version) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [rank, source] : sources_) {
+    if (source.incoming && source.incoming->meta.version > version) source.incoming.reset();
+    if (source.spare && source.spare->complete && source.spare->meta.version > version) source.spare->complete = false;
+    if (!source.committed || source.committed->meta.version <= version) continue;
+    source.committed->complete = false;
+    if (source.spare && source.spare->complete) {
+      std::swap(source.committed, source.spare);
+    } else {
+      if (!source.spare) source.spare = std::move(source.committed);  // keep the region for the next version
+      source.committed.reset();
+    }
+  }
+  arrived_.notify_all();  // a commit waiting on a dropped incoming version gives up
+}
+
 size_t ReplicaStore::held_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   size_t total = 0;

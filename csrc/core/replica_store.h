@@ -103,6 +103,12 @@ class ReplicaStore {
   // after a failure, holders of different sources may be one round apart, and the
   // recovery point must be a version every source still has.
   std::vector<std::pair<int, int64_t>> committed() const;
+  // Forgets every version newer than `version` of every source (a partial
+  // incoming one included): after the job rolled back to `version`, they are of
+  // the abandoned run of those steps, and the re-run's versions, which carry the
+  // same numbers, must be accepted. The version before a dropped newest one
+  // becomes the newest again if it is still readable. Readers keep what they hold.
+  void drop_newer(int64_t version);
   size_t held_bytes() const;
   size_t reserved_bytes() const;
   size_t budget_bytes() const { return budget_; }

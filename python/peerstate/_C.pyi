@@ -111,6 +111,9 @@ class ReplicaStore:
     def reserve(self, source_rank: int, bytes_per_version: int) -> None:
         """Account 2 versions of `source_rank`; BudgetExceededError if over budget."""
     def committed(self) -> List[Tuple[int, int]]: ...
+    def drop_newer(self, version: int) -> None:
+        """Forget every source's versions newer than `version` (the abandoned run after a
+        roll-back to it); the one before a dropped newest becomes the newest if still readable."""
     def held_bytes(self) -> int: ...
     def reserved_bytes(self) -> int: ...
     @property

@@ -42,6 +42,7 @@ so that a replayed step sees the same data.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import os
 import random
@@ -266,6 +267,7 @@ class Job:
         self.groups = ProcessGroups(self.backend)
         self.rank: Optional[int] = None  # a spare learns its rank when it is given one
         self.epoch = -1
+        self._epoch_lock = threading.Lock()  # orders the watcher's aborts with the joins of epochs
         self.next_step = 0
         self.recoveries = 0
         self.capture = True  # False: steps are not snapshotted (for overhead measurements only)
@@ -273,6 +275,7 @@ class Job:
         self._needs_state = env.role == "spare"  # a spare's state comes from the buddies
         self._pending_restore: Optional[Tuple[str, int, Any]] = None  # ("pull"|"checkpoint", version, where)
         self._pending_replication: Optional[int] = None
+        self._failing_holders: Dict[int, Optional[str]] = {}  # holder -> why its last push failed
         self._tracked: Dict[str, Any] = {}
         self._ddps: List[RebuildableDDP] = []
         self._needs_recovery = False
@@ -426,14 +429,22 @@ class Job:
 
     def _on_new_epoch(self, plan: RecoveryPlan) -> None:
         """Watcher thread: make the loop's blocked calls fail now, and give the loop
-        ``abort_timeout`` seconds to come into the recovery."""
-        self._marks = {}
-        deadline = threading.Timer(self.abort_timeout, self._abort_deadline, args=(plan.epoch,))
-        deadline.daemon = True
-        deadline.start()
-        self.groups.abort(plan.epoch)
-        self.replication.abort_transfers()
-        self.shared_replication.abort_transfers()
+        ``abort_timeout`` seconds to come into the recovery.
+
+        The loop can be first: a peer's death fails its collective, it sees the plan
+        and joins the epoch before this thread gets the CPU. Aborting then would hit
+        the epoch's fresh transports and group, so under ``_epoch_lock`` (which the
+        join holds while it replaces them) an epoch already joined is left alone."""
+        with self._epoch_lock:
+            if self.epoch >= plan.epoch:
+                return
+            self._marks = {}
+            deadline = threading.Timer(self.abort_timeout, self._abort_deadline, args=(plan.epoch,))
+            deadline.daemon = True
+            deadline.start()
+            self.groups.abort(plan.epoch)
+            self.replication.abort_transfers()
+            self.shared_replication.abort_transfers()
         self.events.write("epoch_seen", epoch=plan.epoch, rank=self.rank)
 
     def _abort_deadline(self, epoch: int) -> None:
@@ -446,7 +457,8 @@ class Job:
                    f"{self.abort_timeout:g}s of epoch {epoch}'s abort; this process exits so that a spare takes "
                    "its place")
         self.events.write("abort_deadline_missed", epoch=epoch, rank=self.rank)
-        print(f"peerstate: {message}", file=sys.stderr, flush=True)
+        print(f"peerstate: {message}; where each thread was:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(ABORT_DEADLINE_EXIT_CODE)
 
     def _recover(self) -> None:
@@ -477,8 +489,10 @@ class Job:
                     self.kv.compare_set(f"epoch/{plan.epoch}/ddp/{index}", b"",
                                         json.dumps(wrapper.bucket_layout()).encode())
             self.groups.destroy()
-            self.replication.reset()
-            self.shared_replication.reset()
+            with self._epoch_lock:  # see _on_new_epoch
+                self.replication.reset()
+                self.shared_replication.reset()
+                self.epoch = plan.epoch
             self._pending_replication = None
             if not self._needs_state:
                 self._mark("abort")
@@ -500,8 +514,9 @@ class Job:
             version, lost = recovery_point(reports, self.placement,
                                            self.shared_placement if self._data_parallel else None)
             if version is None:
-                restore = self._fall_back_to_checkpoint(plan, lost)
+                restore = self._fall_back_to_checkpoint(plan, lost, reports)
             else:
+                self.replication.drop_newer(version)
                 shared_sources = sources_of(self.rank, version, reports, self.shared_placement)
                 restore = ("pull", version, (sources_of(self.rank, version, reports, self.placement), shared_sources,
                                              same_node_regions(self.worker, version, shared_sources, reports)))
@@ -597,14 +612,17 @@ class Job:
         if failure:
             raise JobFailedError(f"the job stopped: {failure}")
 
-    def _fall_back_to_checkpoint(self, plan: RecoveryPlan, lost: Dict[int, str]) -> Tuple[str, int, str]:
+    def _fall_back_to_checkpoint(self, plan: RecoveryPlan, lost: Dict[int, str],
+                                 reports: Mapping[int, MemberReport]) -> Tuple[str, int, str]:
         ranks = sorted(r for r in lost if r >= 0) or plan.failed
         message = f"rank{'s' if len(ranks) > 1 else ''} {' and '.join(map(str, ranks))} lost; " + "; ".join(lost.values())
         checkpoint = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
         if checkpoint is None:
             reason = f"{message}. No disk checkpoint is configured (--checkpoint-dir), so the job stops."
             self.coordinator.fail_job(reason)
-            self.events.write("state_lost", epoch=plan.epoch, message=reason)
+            held = {r: {"local": report.local, "replicas": report.replicas, "needs_state": report.needs_state}
+                    for r, report in reports.items()}
+            self.events.write("state_lost", epoch=plan.epoch, message=reason, held=held)
             raise StateLostError(reason)
         step, path = checkpoint
         self.events.write("checkpoint_fallback", epoch=plan.epoch, message=message, step=step, path=path)
@@ -663,7 +681,25 @@ class Job:
         if version is not None:
             for store in self._stores():
                 store.wait()
+            self._report_failed_round()
             self.replication.replicate(version)  # data-parallel state has no buddies: nothing to send
+
+    def _report_failed_round(self) -> None:
+        """Say when a push to a holder starts failing: until one lands again, the last
+        version that holder committed is this rank's only copy there. The next round
+        retries; this only makes the failure visible (event log and stderr)."""
+        version = self.replication.replicator.in_flight_version()
+        if version is None:
+            return
+        for holder, error in self.replication.wait(version, check=False).items():
+            failing = None if error is None else str(error)
+            if failing != self._failing_holders.get(holder):
+                self._failing_holders[holder] = failing
+                self.events.write("replication_failed" if failing else "replication_resumed", rank=self.rank,
+                                  holder=holder, version=version, error=failing)
+                if failing:
+                    print(f"peerstate: rank {self.rank}: version {version} did not reach its holder rank {holder} "
+                          f"({failing}); retrying with the next step's version", file=sys.stderr, flush=True)
 
     def _register(self) -> None:
         """Register the tracked state with the SnapshotStores and allocate their versions."""

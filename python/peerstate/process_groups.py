@@ -139,8 +139,12 @@ class ProcessGroups:
 
     def abort(self, new_epoch: int) -> None:
         """Make every collective of these groups, or their rendezvous, fail now because
-        ``new_epoch`` began (thread-safe, idempotent, never blocks long)."""
+        ``new_epoch`` began (thread-safe, idempotent, never blocks long). An abort that
+        comes after the group of ``new_epoch`` (or a later one) formed does nothing: the
+        group it was meant for is gone already."""
         with self._lock:
+            if self.epoch is not None and self.epoch >= new_epoch:
+                return
             self._abort_epoch = max(self._abort_epoch, new_epoch)
             if self._forming:
                 _shutdown(self._forming)

@@ -152,6 +152,11 @@ class Replication:
         self.store.restore(pulled, verify=False)
         return pulled
 
+    def drop_newer(self, version: int) -> None:
+        """After the job rolled back to ``version``: forget the replicas newer than it (of
+        the abandoned run), so that the re-run's versions, with the same numbers, land."""
+        self.replicas.drop_newer(version)
+
     def holdings(self) -> Dict[int, int]:
         """source rank -> the newest version committed here."""
         return {source: max(versions) for source, versions in self.held_versions().items()}
