@@ -46,7 +46,7 @@ def test_a_subgroup_declared_in_a_formed_epoch_is_formed_at_once(groups):
 
 
 _PEER = """
-import sys, datetime, torch, torch.distributed as dist
+import sys, torch, torch.distributed as dist
 from peerstate.kvstore import TorchKeyValueStore
 from peerstate.process_groups import ProcessGroups
 kv = TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=30)
@@ -60,7 +60,7 @@ groups.destroy()
 """
 
 
-def test_an_abort_that_comes_after_its_epoch_formed_leaves_the_group_alone(groups, tmp_path):
+def test_an_abort_that_comes_after_its_epoch_formed_leaves_the_group_alone(groups):
     # The watcher thread of a worker can see a plan after the training loop has
     # already joined its epoch; the late abort must not shut down the new group.
     import subprocess
