@@ -205,8 +205,12 @@ class Job:
     Args:
         snapshot_every: snapshot (and replicate) every N steps; a failure costs at
             most N steps of work.
-        versions: snapshot versions kept per rank (>= 3: the recovery point can lag
-            the newest local version by one step while replication catches up).
+        versions: snapshot versions kept per rank, >= 4. A member's newest version
+            (in flight) can be 3 ahead of the newest that another rank's buddy
+            surely committed: that rank pushes v at the optimizer step of v+1,
+            after waiting there for the push of v-1, so while it is inside step
+            v+2 (which the member may have finished) only v-1 is certain. The
+            member must then still hold v-1 to roll back to it.
         k: copies of each rank's state on other ranks.
         backend: "gloo" or "nccl" (default: nccl when CUDA is available).
         checkpoint_dir: where a disk checkpoint (torch.distributed.checkpoint) is
@@ -225,15 +229,16 @@ class Job:
         replica_budget_bytes, snapshot_threads: passed to the stores.
     """
 
-    def __init__(self, *, snapshot_every: int = 1, versions: int = 3, k: int = 1, backend: Optional[str] = None,
+    def __init__(self, *, snapshot_every: int = 1, versions: int = 4, k: int = 1, backend: Optional[str] = None,
                  checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, join_timeout: float = 120.0,
                  failure_grace: float = 30.0, replica_budget_bytes: Optional[int] = None,
                  snapshot_threads: Optional[int] = None, abort_timeout: float = 60.0) -> None:
         if not 0 < abort_timeout < join_timeout:
             raise InvalidArgumentError(f"abort_timeout must be positive and shorter than join_timeout, which the "
                                        f"other members wait for this one (got {abort_timeout} and {join_timeout})")
-        if snapshot_every < 1 or versions < 3:
-            raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 3 (got {snapshot_every}, {versions})")
+        if snapshot_every < 1 or versions < 4:
+            raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 4 (got {snapshot_every}, {versions}): "
+                                       "fewer versions can leave no step that every rank still holds")
         if checkpoint_every and not checkpoint_dir:
             raise InvalidArgumentError("checkpoint_every needs a checkpoint_dir")
         import torch
