@@ -1,5 +1,6 @@
-"""Declared subgroups over a real gloo group of one rank: formed with the epoch's
-group, gone with it, and formed again with the next one."""
+"""Process groups over real gloo groups: declared subgroups formed with the epoch's
+group, gone with it, and formed again with the next one; late aborts; the
+collective timeout."""
 
 import pytest
 
@@ -80,5 +81,41 @@ def test_an_abort_that_comes_after_its_epoch_formed_leaves_the_group_alone(group
         with pytest.raises(RuntimeError):
             dist.all_reduce(torch.tensor([1]))
     finally:
+        peer.kill()
+        peer.wait()
+
+
+_IDLE_PEER = """
+import sys, time
+from peerstate.kvstore import TorchKeyValueStore
+from peerstate.process_groups import ProcessGroups
+kv = TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=30)
+groups = ProcessGroups("gloo")
+groups.form(kv.torch_store, 0, rank=1, world_size=2, timeout=30)
+print("formed", flush=True)
+time.sleep(60)  # never enters the collective
+"""
+
+
+def test_gloo_collectives_time_out_after_the_collective_timeout(groups):
+    # A gloo send that was being written when its peer died is woken by no abort
+    # (see process_groups): the collective timeout is what ends it, long before
+    # the rendezvous timeout (30 s here) and the Job's abort deadline.
+    import subprocess
+    import sys
+    import time
+
+    kv, _ = groups
+    groups = ProcessGroups("gloo", collective_timeout=2.0)
+    peer = subprocess.Popen([sys.executable, "-c", _IDLE_PEER, str(kv.port)], stdout=subprocess.PIPE, text=True)
+    try:
+        groups.form(kv.torch_store, 0, rank=0, world_size=2, timeout=30)
+        assert peer.stdout.readline().strip() == "formed"
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="[Tt]imed out"):
+            dist.all_reduce(torch.ones(4))
+        assert time.monotonic() - started < 15
+    finally:
+        groups.destroy()
         peer.kill()
         peer.wait()

@@ -225,7 +225,10 @@ class Job:
             its rank: the last resort against a call no abort can wake (a kernel
             that never returns, a blocking call outside peerstate's groups).
             Shorter than ``join_timeout``; longer than the loop ever runs
-            between two collectives.
+            between two collectives. With gloo, collectives also time out after
+            ``abort_timeout / 2`` (a send gloo was writing when its peer died
+            waits for that timeout whatever the abort does; see
+            ``process_groups``): raise it if ranks wait longer on each other.
         replica_budget_bytes, snapshot_threads: passed to the stores.
     """
 
@@ -269,7 +272,8 @@ class Job:
         self._replica_budget_bytes = replica_budget_bytes
         self.snapshots = SnapshotStore(max_versions=versions, threads=snapshot_threads)  # this rank's own state
         self.shared = SnapshotStore(max_versions=versions, threads=snapshot_threads)  # data-parallel state
-        self.groups = ProcessGroups(self.backend)
+        # gloo: a collective that no abort wakes fails on its own well before the deadline.
+        self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2)
         self.rank: Optional[int] = None  # a spare learns its rank when it is given one
         self.epoch = -1
         self._epoch_lock = threading.Lock()  # orders the watcher's aborts with the joins of epochs

@@ -25,6 +25,17 @@ Aborting, so that a training loop blocked in a collective fails at once:
   formed through its own store connection, whose socket is shut down the
   same way, so ``init_process_group`` fails at once instead of waiting out the
   store's timeout.
+
+One gloo collective no abort can wake: a send still being written when its
+peer dies. gloo's tcp transport keeps a partly written send in the pair's
+transmit queue. A write that meets EPIPE or ECONNRESET is not an error there,
+and when the pair then fails on a read, ``Pair::signalException`` wakes the
+pair's pending sends and receives but not the sends in that queue. The
+collective waits in ``UnboundBuffer::waitSend`` for its timeout, whatever is
+shut down (seen in the demo after a node loss: a ring allreduce's send to a
+killed rank). So gloo groups get ``collective_timeout``, shorter than the
+Job's abort deadline: such a collective fails on its own, and its rank
+recovers with its state, instead of exiting at the deadline.
 """
 
 from __future__ import annotations
@@ -77,8 +88,12 @@ class Subgroup:
 class ProcessGroups:
     """The default process group of the current epoch, and the declared subgroups."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, collective_timeout: Optional[float] = None) -> None:
+        """``collective_timeout``: seconds a gloo collective may wait (the rendezvous keeps
+        the ``timeout`` given to form()); declared subgroups whose options set their own
+        timeout keep it. None: the rendezvous timeout throughout. NCCL ignores it."""
         self.backend = backend
+        self.collective_timeout = collective_timeout
         self.epoch: Optional[int] = None
         self._subgroups: List[Subgroup] = []
         self._sockets: Set[str] = set()
@@ -105,6 +120,7 @@ class ProcessGroups:
         try:
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{epoch}/", rendezvous), rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+            self._limit_collectives(dist.distributed_c10d._get_default_group())
             for subgroup in self._subgroups:
                 self._form_subgroup(subgroup, timeout)
         except Exception as error:  # noqa: BLE001 - torch raises several types for a missed rendezvous
@@ -136,6 +152,15 @@ class ProcessGroups:
 
         options = {"timeout": datetime.timedelta(seconds=timeout), **subgroup.options}
         subgroup._group = dist.new_group(subgroup.ranks, **options)
+        if "timeout" not in subgroup.options and not dist.distributed_c10d._rank_not_in_group(subgroup._group):
+            self._limit_collectives(subgroup._group)
+
+    def _limit_collectives(self, group: Any) -> None:
+        """Give ``group``'s gloo collectives ``collective_timeout`` (see the module docstring)."""
+        if self.backend == "gloo" and self.collective_timeout is not None:
+            import torch.distributed as dist
+
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.collective_timeout), group)
 
     def abort(self, new_epoch: int) -> None:
         """Make every collective of these groups, or their rendezvous, fail now because
