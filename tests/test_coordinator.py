@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 from peerstate import BuddyPlacement, JobFailedError  # noqa: E402
 from peerstate.coordinator import Coordinator, MemberReport, RecoveryPlan, recovery_point, sources_of  # noqa: E402
 from peerstate.kvstore import TorchKeyValueStore  # noqa: E402
-from peerstate.timeline import recovery_timeline  # noqa: E402
+from peerstate.timeline import EventLog, read_events, recovery_timeline  # noqa: E402
 
 WORLD = 4
 MEMBERS = {r: f"n{r // 2}.{r % 2}" for r in range(WORLD)}
@@ -216,6 +216,19 @@ def test_timeline_phases_add_up_to_the_recovery():
     assert phases["transfer"] == pytest.approx(0.4) and phases["restore"] == pytest.approx(0.05)
     assert phases["first step"] == pytest.approx(0.15)
     assert timeline["total_s"] == pytest.approx(sum(phases.values()))
+
+
+def test_an_event_still_being_appended_is_left_for_the_next_read(tmp_path):
+    # Workers append to the log while the launcher's progress line reads it: a
+    # reader once met half a line (json.loads failed and took the demo down).
+    path = str(tmp_path / "events.jsonl")
+    EventLog(path, "n0.0").write("joined", rank=0)
+    with open(path, "a") as log:
+        log.write('{"time": 1.0, "event": "recov')
+    assert [e["event"] for e in read_events(path)] == ["joined"]
+    with open(path, "a") as log:
+        log.write('ery", "source": "n0.1"}\n')
+    assert [e["event"] for e in read_events(path)] == ["joined", "recovery"]
 
 
 def test_data_parallel_state_comes_from_any_surviving_group_member():

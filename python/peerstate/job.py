@@ -240,8 +240,8 @@ class Job:
             raise InvalidArgumentError(f"abort_timeout must be positive and shorter than join_timeout, which the "
                                        f"other members wait for this one (got {abort_timeout} and {join_timeout})")
         if snapshot_every < 1 or versions < 4:
-            raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 4 (got {snapshot_every}, {versions}): "
-                                       "fewer versions can leave no step that every rank still holds")
+            raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 4 (got {snapshot_every}, "
+                                       f"{versions}): fewer versions can leave no step that every rank still holds")
         if checkpoint_every and not checkpoint_dir:
             raise InvalidArgumentError("checkpoint_every needs a checkpoint_dir")
         import torch

@@ -9,7 +9,6 @@ Every process is started in its own session so that it can be killed whole.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -19,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from peerstate.timeline import read_events
 
 
 class LocalJob:
@@ -57,7 +58,7 @@ class LocalJob:
         path = self.logs / "events.jsonl"
         if not path.exists():
             return []
-        found = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        found = read_events(str(path))
         return [e for e in found if kind is None or e["event"] == kind]
 
     def wait_for(self, predicate: Callable[[], object], what: str, timeout: float = 90.0):

@@ -35,8 +35,11 @@ class EventLog:
 
 
 def read_events(path: str) -> List[Dict[str, Any]]:
+    """The complete events of a log that other processes may be appending to: a last
+    line without its newline is still being written, and is left for the next read."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        text = f.read()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 def recovery_timeline(plan: Dict[str, Any], marks: Iterable[Dict[str, float]],
