@@ -46,29 +46,33 @@ def test_a_subgroup_declared_in_a_formed_epoch_is_formed_at_once(groups):
     assert declared.group is not None and dist.get_world_size(declared.group) == 1
 
 
-_PEER = """
-import sys, torch, torch.distributed as dist
+def _peer(kv, epoch, body):
+    """A second process, rank 1 of a 2-rank gloo group of ``epoch``, that then runs ``body``."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys, time, torch, torch.distributed as dist
 from peerstate.kvstore import TorchKeyValueStore
 from peerstate.process_groups import ProcessGroups
 kv = TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=30)
 groups = ProcessGroups("gloo")
-groups.form(kv.torch_store, 1, rank=1, world_size=2, timeout=30)
-for _ in range(2):
-    total = torch.tensor([2])
-    dist.all_reduce(total)
-    print(int(total), flush=True)
-groups.destroy()
+groups.form(kv.torch_store, {epoch}, rank=1, world_size=2, timeout=30)
+{body}
 """
+    return subprocess.Popen([sys.executable, "-c", script, str(kv.port)], stdout=subprocess.PIPE, text=True)
 
 
 def test_an_abort_that_comes_after_its_epoch_formed_leaves_the_group_alone(groups):
     # The watcher thread of a worker can see a plan after the training loop has
     # already joined its epoch; the late abort must not shut down the new group.
-    import subprocess
-    import sys
-
     kv, groups = groups
-    peer = subprocess.Popen([sys.executable, "-c", _PEER, str(kv.port)], stdout=subprocess.PIPE, text=True)
+    peer = _peer(kv, 1, """
+for _ in range(2):
+    total = torch.tensor([2])
+    dist.all_reduce(total)
+    print(int(total), flush=True)
+groups.destroy()""")
     try:
         groups.form(kv.torch_store, 1, rank=0, world_size=2, timeout=30)
         groups.abort(1)  # late: epoch 1's group is the one formed
@@ -85,37 +89,25 @@ def test_an_abort_that_comes_after_its_epoch_formed_leaves_the_group_alone(group
         peer.wait()
 
 
-_IDLE_PEER = """
-import sys, time
-from peerstate.kvstore import TorchKeyValueStore
-from peerstate.process_groups import ProcessGroups
-kv = TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=30)
-groups = ProcessGroups("gloo")
-groups.form(kv.torch_store, 0, rank=1, world_size=2, timeout=30)
-print("formed", flush=True)
-time.sleep(60)  # never enters the collective
-"""
-
-
 def test_gloo_collectives_time_out_after_the_collective_timeout(groups):
     # A gloo send that was being written when its peer died is woken by no abort
     # (see process_groups): the collective timeout is what ends it, long before
     # the rendezvous timeout (30 s here) and the Job's abort deadline.
-    import subprocess
-    import sys
     import time
 
     kv, _ = groups
-    groups = ProcessGroups("gloo", collective_timeout=2.0)
-    peer = subprocess.Popen([sys.executable, "-c", _IDLE_PEER, str(kv.port)], stdout=subprocess.PIPE, text=True)
+    timed = ProcessGroups("gloo", collective_timeout=2.0)
+    peer = _peer(kv, 0, """
+print("formed", flush=True)
+time.sleep(60)  # never enters the collective""")
     try:
-        groups.form(kv.torch_store, 0, rank=0, world_size=2, timeout=30)
+        timed.form(kv.torch_store, 0, rank=0, world_size=2, timeout=30)
         assert peer.stdout.readline().strip() == "formed"
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="[Tt]imed out"):
             dist.all_reduce(torch.ones(4))
         assert time.monotonic() - started < 15
     finally:
-        groups.destroy()
+        timed.destroy()
         peer.kill()
         peer.wait()
