@@ -229,6 +229,9 @@ class Job:
             ``abort_timeout / 2`` (a send gloo was writing when its peer died
             waits for that timeout whatever the abort does; see
             ``process_groups``): raise it if ranks wait longer on each other.
+            And a gloo group is created under ``abort_timeout / 10``: a member
+            that dies inside the re-forming holds the others up to five times
+            that (gloo's connect wait), again ``abort_timeout / 2``.
         replica_budget_bytes, snapshot_threads: passed to the stores.
     """
 
@@ -272,8 +275,10 @@ class Job:
         self._replica_budget_bytes = replica_budget_bytes
         self.snapshots = SnapshotStore(max_versions=versions, threads=snapshot_threads)  # this rank's own state
         self.shared = SnapshotStore(max_versions=versions, threads=snapshot_threads)  # data-parallel state
-        # gloo: a collective that no abort wakes fails on its own well before the deadline.
-        self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2)
+        # gloo: a collective or a rendezvous that no abort wakes fails on its own well
+        # before the deadline (the members reach form() together: _join is a barrier).
+        self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,
+                                    connect_timeout=abort_timeout / 10)
         self.rank: Optional[int] = None  # a spare learns its rank when it is given one
         self.epoch = -1
         self._epoch_lock = threading.Lock()  # orders the watcher's aborts with the joins of epochs

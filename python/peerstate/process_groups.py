@@ -26,6 +26,17 @@ Aborting, so that a training loop blocked in a collective fails at once:
   same way, so ``init_process_group`` fails at once instead of waiting out the
   store's timeout.
 
+One gloo rendezvous step no abort can wake: a member that published its
+address and died before connecting. gloo picks one side of each pair to
+connect (by address order); the other waits for it in
+``Pair::waitUntilConnected`` for five times the group's timeout, and nothing
+can end that wait (there is no socket yet to shut down). So a gloo group is
+created under ``connect_timeout`` and given its real timeout once formed. That
+is safe because form() is only called when every member has reported for the
+epoch (``Job``'s join is a barrier): the members reach it together, and
+forming takes milliseconds; a member that dies in between costs the others
+at most five times ``connect_timeout``.
+
 One gloo collective no abort can wake: a send still being written when its
 peer dies. gloo's tcp transport keeps a partly written send in the pair's
 transmit queue. A write that meets EPIPE or ECONNRESET is not an error there,
@@ -88,12 +99,19 @@ class Subgroup:
 class ProcessGroups:
     """The default process group of the current epoch, and the declared subgroups."""
 
-    def __init__(self, backend: str, collective_timeout: Optional[float] = None) -> None:
-        """``collective_timeout``: seconds a gloo collective may wait (the rendezvous keeps
-        the ``timeout`` given to form()); declared subgroups whose options set their own
-        timeout keep it. None: the rendezvous timeout throughout. NCCL ignores it."""
+    def __init__(self, backend: str, collective_timeout: Optional[float] = None,
+                 connect_timeout: Optional[float] = None) -> None:
+        """gloo only (NCCL ignores both):
+
+        ``collective_timeout``: seconds a collective may wait; declared subgroups whose
+        options set their own timeout keep it. None: the ``timeout`` given to form().
+
+        ``connect_timeout``: the timeout the groups of form() are created under; a pair
+        whose peer died mid-rendezvous waits five times this. Only for members that
+        reach form() together (see the module docstring). None: form()'s ``timeout``."""
         self.backend = backend
         self.collective_timeout = collective_timeout
+        self.connect_timeout = connect_timeout
         self.epoch: Optional[int] = None
         self._subgroups: List[Subgroup] = []
         self._sockets: Set[str] = set()
@@ -103,7 +121,8 @@ class ProcessGroups:
 
     def form(self, torch_store, epoch: int, rank: int, world_size: int, timeout: float) -> None:
         """Join the epoch's group (blocks until every rank joins, ``timeout``, or an
-        abort for a newer epoch: then AbortedError)."""
+        abort for a newer epoch: then AbortedError). With gloo, a member that dies in
+        the rendezvous can hold it up to five times ``connect_timeout`` past the abort."""
         import torch.distributed as dist
 
         self.destroy()
@@ -117,12 +136,13 @@ class ProcessGroups:
         # formed group is destroyed: a rendezvous aborted part way leaves it counted up,
         # and this rank would then wait under another name than a fresh spare's.
         dist.distributed_c10d._world.group_count = 0
+        connect = timeout if self.backend != "gloo" or self.connect_timeout is None else self.connect_timeout
         try:
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{epoch}/", rendezvous), rank=rank,
-                                    world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
-            self._limit_collectives(dist.distributed_c10d._get_default_group())
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=connect))
+            self._set_wait(dist.distributed_c10d._get_default_group(), self.collective_timeout or timeout)
             for subgroup in self._subgroups:
-                self._form_subgroup(subgroup, timeout)
+                self._form_subgroup(subgroup, timeout, connect)
         except Exception as error:  # noqa: BLE001 - torch raises several types for a missed rendezvous
             with self._lock:
                 self._forming = set()
@@ -142,25 +162,33 @@ class ProcessGroups:
         if self.epoch is None:
             return  # a spare: formed with its first epoch
         before = _socket_inodes()
-        self._form_subgroup(subgroup, timeout)
+        self._form_subgroup(subgroup, timeout, timeout)  # the ranks call add() at their own pace
         with self._lock:
             if self.backend == "gloo":
                 self._sockets |= _socket_inodes() - before
 
-    def _form_subgroup(self, subgroup: Subgroup, timeout: float) -> None:
+    def _form_subgroup(self, subgroup: Subgroup, timeout: float, connect: float) -> None:
+        """Create ``subgroup`` under ``connect`` (gloo); then its collectives wait for the
+        subgroup's own timeout, else ``collective_timeout``, else ``timeout``."""
         import torch.distributed as dist
 
-        options = {"timeout": datetime.timedelta(seconds=timeout), **subgroup.options}
-        subgroup._group = dist.new_group(subgroup.ranks, **options)
-        if "timeout" not in subgroup.options and not dist.distributed_c10d._rank_not_in_group(subgroup._group):
-            self._limit_collectives(subgroup._group)
+        own = subgroup.options.get("timeout")
+        if self.backend == "gloo":
+            wait = own.total_seconds() if own is not None else self.collective_timeout or timeout
+            subgroup._group = dist.new_group(subgroup.ranks, **{**subgroup.options,
+                                                                "timeout": datetime.timedelta(seconds=connect)})
+            if not dist.distributed_c10d._rank_not_in_group(subgroup._group):
+                self._set_wait(subgroup._group, wait)
+        else:
+            subgroup._group = dist.new_group(subgroup.ranks,
+                                             **{"timeout": datetime.timedelta(seconds=timeout), **subgroup.options})
 
-    def _limit_collectives(self, group: Any) -> None:
-        """Give ``group``'s gloo collectives ``collective_timeout`` (see the module docstring)."""
-        if self.backend == "gloo" and self.collective_timeout is not None:
+    def _set_wait(self, group: Any, seconds: float) -> None:
+        """How long ``group``'s gloo collectives wait (see the module docstring)."""
+        if self.backend == "gloo":
             import torch.distributed as dist
 
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.collective_timeout), group)
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
     def abort(self, new_epoch: int) -> None:
         """Make every collective of these groups, or their rendezvous, fail now because
