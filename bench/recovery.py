@@ -38,8 +38,8 @@ HERE = Path(__file__).resolve().parent
 JOB = HERE / "recovery_job.py"
 RESULTS = HERE / "results" / "recovery.json"
 OUR_PHASES = ("detect", "plan", "abort", "re-form", "transfer", "restore", "first step")
-KEEP_LOGS_OVER_S = 5.0  # a recovery this slow keeps its folder
 BASELINE_PHASES = ("detect", "stop", "restart", "load", "first step")
+KEEP_LOGS_OVER_S = 5.0  # a recovery this slow keeps its folder
 
 
 def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float,

@@ -3,6 +3,8 @@ group, gone with it, and formed again with the next one; late aborts; the
 collective timeout; the connect timeout, against a member that dies in the
 rendezvous."""
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -48,9 +50,11 @@ def test_a_subgroup_declared_in_a_formed_epoch_is_formed_at_once(groups):
     assert declared.group is not None and dist.get_world_size(declared.group) == 1
 
 
+@contextlib.contextmanager
 def _peer(kv, epoch, body, store="kv.torch_store", prelude=""):
     """A second process, rank 1 of a 2-rank gloo group of ``epoch`` formed through
-    ``store`` (an expression; ``prelude`` may define it), that then runs ``body``."""
+    ``store`` (an expression; ``prelude`` may define it), that then runs ``body``;
+    killed, if still running, when the block ends."""
     import subprocess
     import sys
 
@@ -64,20 +68,24 @@ groups = ProcessGroups("gloo")
 groups.form({store}, {epoch}, rank=1, world_size=2, timeout=30)
 {body}
 """
-    return subprocess.Popen([sys.executable, "-c", script, str(kv.port)], stdout=subprocess.PIPE, text=True)
+    peer = subprocess.Popen([sys.executable, "-c", script, str(kv.port)], stdout=subprocess.PIPE, text=True)
+    try:
+        yield peer
+    finally:
+        peer.kill()
+        peer.wait()
 
 
 def test_an_abort_that_comes_after_its_epoch_formed_leaves_the_group_alone(groups):
     # The watcher thread of a worker can see a plan after the training loop has
     # already joined its epoch; the late abort must not shut down the new group.
     kv, groups = groups
-    peer = _peer(kv, 1, """
+    with _peer(kv, 1, """
 for _ in range(2):
     total = torch.tensor([2])
     dist.all_reduce(total)
     print(int(total), flush=True)
-groups.destroy()""")
-    try:
+groups.destroy()""") as peer:
         groups.form(kv.torch_store, 1, rank=0, world_size=2, timeout=30)
         groups.abort(1)  # late: epoch 1's group is the one formed
         for _ in range(2):
@@ -88,9 +96,6 @@ groups.destroy()""")
         groups.abort(2)  # a newer epoch's abort still goes through
         with pytest.raises(RuntimeError):
             dist.all_reduce(torch.tensor([1]))
-    finally:
-        peer.kill()
-        peer.wait()
 
 
 def test_gloo_collectives_time_out_after_the_collective_timeout(groups):
@@ -101,20 +106,18 @@ def test_gloo_collectives_time_out_after_the_collective_timeout(groups):
 
     kv, _ = groups
     timed = ProcessGroups("gloo", collective_timeout=2.0)
-    peer = _peer(kv, 0, """
+    with _peer(kv, 0, """
 print("formed", flush=True)
-time.sleep(60)  # never enters the collective""")
-    try:
-        timed.form(kv.torch_store, 0, rank=0, world_size=2, timeout=30)
-        assert peer.stdout.readline().strip() == "formed"
-        started = time.monotonic()
-        with pytest.raises(RuntimeError, match="[Tt]imed out"):
-            dist.all_reduce(torch.ones(4))
-        assert time.monotonic() - started < 15
-    finally:
-        timed.destroy()
-        peer.kill()
-        peer.wait()
+time.sleep(60)  # never enters the collective""") as peer:
+        try:
+            timed.form(kv.torch_store, 0, rank=0, world_size=2, timeout=30)
+            assert peer.stdout.readline().strip() == "formed"
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match="[Tt]imed out"):
+                dist.all_reduce(torch.ones(4))
+            assert time.monotonic() - started < 15
+        finally:
+            timed.destroy()
 
 
 # Rank 1 of the group: forms through a store that, once gloo has published this
@@ -159,7 +162,6 @@ def _meet(kv):
     kv.set("go", b"")
 
 
-
 def test_a_member_that_dies_in_the_rendezvous_holds_the_others_five_connect_timeouts_at_most(groups):
     # Seen in test_recovery's second-failure test: rank 1 died while the group of the
     # first recovery formed, and the others waited for its connection for five times
@@ -169,27 +171,27 @@ def test_a_member_that_dies_in_the_rendezvous_holds_the_others_five_connect_time
 
     kv, _ = groups
     forming = ProcessGroups("gloo", connect_timeout=1.0)
-    peer = _peer(kv, 1, "raise SystemExit('not reached: the store exits first')", store="dying",
-                 prelude=_DIES_IN_THE_RENDEZVOUS + _BARRIER)
     aborted = []
+    with _peer(kv, 1, "raise SystemExit('not reached: the store exits first')", store="dying",
+               prelude=_DIES_IN_THE_RENDEZVOUS + _BARRIER) as peer:
 
-    def abort_once_the_peer_is_gone():
-        peer.wait(timeout=60)
-        aborted.append(time.monotonic())
-        forming.abort(2)
+        def abort_once_the_peer_is_gone():
+            peer.wait(timeout=60)
+            aborted.append(time.monotonic())
+            forming.abort(2)
 
-    watcher = threading.Thread(target=abort_once_the_peer_is_gone)
-    watcher.start()
-    try:
-        _meet(kv)
-        with pytest.raises(AbortedError, match="epoch 2 began while the group of epoch 1 formed"):
-            forming.form(kv.torch_store, 1, rank=0, world_size=2, timeout=20)  # without: 5 x 20 s
-        assert peer.returncode == 0  # it did publish, and exited in the store
-        assert time.monotonic() - aborted[0] < 12  # 5 x 1 s, and room for a loaded machine
-    finally:
-        peer.kill()
-        watcher.join()
-        forming.destroy()
+        watcher = threading.Thread(target=abort_once_the_peer_is_gone)
+        watcher.start()
+        try:
+            _meet(kv)
+            with pytest.raises(AbortedError, match="epoch 2 began while the group of epoch 1 formed"):
+                forming.form(kv.torch_store, 1, rank=0, world_size=2, timeout=20)  # without: 5 x 20 s
+            assert peer.returncode == 0  # it did publish, and exited in the store
+            assert time.monotonic() - aborted[0] < 12  # 5 x 1 s, and room for a loaded machine
+        finally:
+            peer.kill()  # before the join: the watcher waits for it
+            watcher.join()
+            forming.destroy()
 
 
 def test_a_group_created_under_the_connect_timeout_waits_its_full_timeout_in_collectives(groups):
@@ -197,19 +199,17 @@ def test_a_group_created_under_the_connect_timeout_waits_its_full_timeout_in_col
 
     kv, _ = groups
     forming = ProcessGroups("gloo", connect_timeout=1.0)
-    peer = _peer(kv, 1, """
+    with _peer(kv, 1, """
 time.sleep(4)  # four connect timeouts late for the collective
 total = torch.tensor([2])
 dist.all_reduce(total)
-print(int(total), flush=True)""", prelude=_BARRIER)
-    try:
-        _meet(kv)
-        forming.form(kv.torch_store, 1, rank=0, world_size=2, timeout=30)
-        total = torch.tensor([1])
-        dist.all_reduce(total)
-        assert int(total) == 3
-        assert peer.communicate(timeout=60)[0].strip() == "3"
-    finally:
-        peer.kill()
-        peer.wait()
-        forming.destroy()
+print(int(total), flush=True)""", prelude=_BARRIER) as peer:
+        try:
+            _meet(kv)
+            forming.form(kv.torch_store, 1, rank=0, world_size=2, timeout=30)
+            total = torch.tensor([1])
+            dist.all_reduce(total)
+            assert int(total) == 3
+            assert peer.communicate(timeout=60)[0].strip() == "3"
+        finally:
+            forming.destroy()
