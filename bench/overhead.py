@@ -11,7 +11,11 @@ rank 0's process used (all its threads). With 4 workers on fewer cores, wall
 time follows the CPU the workers need; the CPU measure is much less noisy and
 says what the capture itself costs.
 
-Run: python bench/overhead.py [--quick] [--workers-per-node N]   (writes bench/results/overhead.json)
+The data-parallel state is snapshotted in shares, one per worker of a node (the
+default); ``--data-parallel-shares 1`` measures a full copy on every rank.
+
+Run: python bench/overhead.py [--quick] [--workers-per-node N] [--data-parallel-shares N]
+(writes bench/results/overhead.json; overhead_shares{N}.json with --data-parallel-shares)
 """
 
 import argparse
@@ -22,6 +26,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from peerstate.local import LocalJob
 
@@ -29,10 +34,13 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "overhead.json"
 
 
-def run(blocks: int, block_steps: int, workers_per_node: int = 2, timeout: float = 900.0) -> dict:
+def run(blocks: int, block_steps: int, workers_per_node: int = 2, shares: Optional[int] = None,
+        timeout: float = 900.0) -> dict:
+    script = [str(HERE / "overhead_job.py"), "--blocks", str(blocks), "--block-steps", str(block_steps)]
+    if shares is not None:
+        script += ["--data-parallel-shares", str(shares)]
     with tempfile.TemporaryDirectory(prefix="peerstate-overhead-") as tmp:
-        job = LocalJob(Path(tmp), [(workers_per_node, 0)] * 2, [str(HERE / "overhead_job.py"), "--blocks", str(blocks),
-                                                     "--block-steps", str(block_steps)])
+        job = LocalJob(Path(tmp), [(workers_per_node, 0)] * 2, script)
         try:
             codes = job.wait(timeout)
             if codes != [0, 0]:
@@ -75,15 +83,18 @@ def summarize(measure: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 blocks of 8 steps")
+    parser.add_argument("--quick", action="store_true", help="6 blocks of 8 steps (default: 32 of 12)")
     parser.add_argument("--workers-per-node", type=int, default=2,
                         help="workers on each of the 2 simulated nodes (default 2: the demo's 4 workers)")
+    parser.add_argument("--data-parallel-shares", type=int, default=None,
+                        help="Job(data_parallel_shares=N); default: one share per worker of a node")
     args = parser.parse_args()
-    blocks, block_steps = (6, 8) if args.quick else (12, 12)
+    blocks, block_steps = (6, 8) if args.quick else (32, 12)
     workers = 2 * args.workers_per_node
+    shares = args.data_parallel_shares or args.workers_per_node
     print(f"step overhead of every-step capture: demo GPT, {workers} workers on {os.cpu_count()} cores, "
-          f"{blocks} interleaved blocks of {block_steps} steps")
-    result = run(blocks, block_steps, args.workers_per_node)
+          f"{blocks} interleaved blocks of {block_steps} steps, data-parallel state in {shares} share(s)")
+    result = run(blocks, block_steps, args.workers_per_node, args.data_parallel_shares)
     wall, cpu = summarize(result["wall"]), summarize(result["cpu"])
     print(f"{'per step (median)':<34}{'capture off':>12}{'capture on':>12}{'overhead: mean of block pairs':>31}"
           f"{'std':>7}{'min':>9}{'max':>9}")
@@ -92,15 +103,17 @@ def main() -> None:
               f"{summary['overhead_percent']:>+30.2f}%{summary['spread_percent']:>6.2f}%"
               f"{summary['min_percent']:>+8.2f}%{summary['max_percent']:>+8.2f}%")
     print(f"({wall['pairs']} block pairs, {result['steps']} steps)")
-    RESULTS.parent.mkdir(exist_ok=True)
+    path = RESULTS.with_name(f"overhead_shares{args.data_parallel_shares}.json") if args.data_parallel_shares else RESULTS
+    path.parent.mkdir(exist_ok=True)
     rows = [{"case": f"every-step snapshot + replication, {measure}", "ours_s": summary["capture_on_s"],
              "limit_s": summary["capture_off_s"], "ratio": summary["capture_on_s"] / summary["capture_off_s"]}
             for measure, summary in (("wall", wall), ("CPU of rank 0", cpu))]
-    RESULTS.write_text(json.dumps({
+    path.write_text(json.dumps({
         "benchmark": "overhead", "time": time.time(), "workers": workers, "cores": os.cpu_count(),
+        "data_parallel_shares": shares,
         "summary": wall, "cpu_summary": cpu, "blocks": result["wall"]["blocks"], "cpu_blocks": result["cpu"]["blocks"],
         "rows": rows}, indent=1))
-    print(f"wrote {RESULTS}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -5,17 +5,19 @@ of state per rank; bench/recovery_job.py), measured in the same run:
 
 - peerstate: 2 simulated nodes x 2 workers + 1 hot spare under `peerstate run`;
   the agent kills rank 2 after step K (``--inject``); the spare takes its place
-  and pulls its state (DDP's state from the surviving ranks' own snapshots, its
-  own RNG state from its buddy; with ``--replicated`` everything from its
-  buddy), the survivors roll back in place. The phases come from the job's
+  and pulls its state (DDP's state from the surviving ranks' own snapshots of
+  their shares of it, its own RNG state from its buddy; with ``--replicated``
+  everything from its buddy), the survivors roll back in place and pull the
+  data-parallel share they do not snapshot. The phases come from the job's
   recovery timeline (events.jsonl).
 - restart (the classic way, as torchrun's elastic agent does it): the bench
   sees the death with waitpid, stops every other worker, starts all 4 again,
   and each loads its torch.save checkpoint from local disk (still in the page
   cache: the most favourable case for the baseline).
 
-Run: python bench/recovery.py [--quick] [--state-mib 256] [--repeat 3]
-Writes bench/results/recovery.json (recovery_replicated.json with --replicated):
+Run: python bench/recovery.py [--quick] [--state-mib 256] [--repeat 3] [--data-parallel-shares N]
+Writes bench/results/recovery.json (recovery_replicated.json with --replicated,
+recovery_shares{N}.json with --data-parallel-shares N):
 rows with phase, ours_s, baseline_s, speedup.
 """
 
@@ -31,6 +33,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from peerstate.local import LocalJob, kill_all, start_plain_workers, wait_until
 
@@ -43,10 +46,11 @@ KEEP_LOGS_OVER_S = 5.0  # a recovery this slow keeps its folder
 
 
 def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float,
-                       replicated: bool) -> dict:
+                       replicated: bool, shares: Optional[int]) -> dict:
     job = LocalJob(work, [(2, 1), (2, 0)],
                    [str(JOB), "--mode", "peerstate", "--state-mib", str(state_mib), "--steps", str(steps)]
-                   + (["--replicated"] if replicated else []),
+                   + (["--replicated"] if replicated else [])
+                   + (["--data-parallel-shares", str(shares)] if shares else []),
                    agent_args=["--inject", f"kill:rank=2:step={kill_step}"])
     try:
         codes = job.wait(timeout)
@@ -98,7 +102,7 @@ def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, tim
 
 
 def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: float = 300.0,
-        replicated: bool = False) -> list:
+        replicated: bool = False, shares: Optional[int] = None) -> list:
     repeat = repeat or (1 if quick else 3)
     steps, kill_step = 60, 25
     ours, baseline = [], []
@@ -106,14 +110,14 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
         work = Path(tempfile.mkdtemp(prefix="peerstate-recovery-"))
         (work / "ours").mkdir()
         (work / "base").mkdir()
-        ours.append(peerstate_recovery(work / "ours", state_mib, steps, kill_step, timeout, replicated))
+        ours.append(peerstate_recovery(work / "ours", state_mib, steps, kill_step, timeout, replicated, shares))
         baseline.append(restart_recovery(work / "base", state_mib, steps, kill_step, timeout))
         if ours[-1]["total_s"] < KEEP_LOGS_OVER_S:
             shutil.rmtree(work)
         else:  # a rare slow recovery: its event log and worker logs are what explains it
             print(f"  run {index + 1}: recovery took {ours[-1]['total_s']:.1f}s; its logs are kept in {work}")
-        memory = (f", {ours[-1]['chunks_from_memory']} of {ours[-1]['chunks_pulled']} data-parallel chunks read "
-                  "from same-node memory" if ours[-1]["chunks_pulled"] else "")
+        memory = (f", {ours[-1]['chunks_from_memory']} of the {ours[-1]['chunks_pulled']} data-parallel chunks "
+                  "pulled (by all ranks) read from same-node memory" if ours[-1]["chunks_pulled"] else "")
         print(f"  run {index + 1}/{repeat}: peerstate {ours[-1]['total_s']:.3f}s, "
               f"restart {baseline[-1]['total_s']:.3f}s ({baseline[-1]['total_s'] / ours[-1]['total_s']:.1f}x)"
               f"{memory}", flush=True)
@@ -127,7 +131,7 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
     rows.append({"phase": "kill to first step", "ours_s": ours_total, "baseline_s": base_total,
                  "speedup": base_total / ours_total})
     for row in rows:
-        row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat,
+        row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat, data_parallel_shares=shares or 2,
                    state_from="buddies (replicated)" if replicated else "surviving ranks (data_parallel)")
     rows.append({"phase": "each run", "runs": [
         {"ours_s": o["total_s"], "baseline_s": b["total_s"], "speedup": b["total_s"] / o["total_s"],
@@ -154,12 +158,17 @@ def main() -> None:
     parser.add_argument("--replicated", action="store_true",
                         help="the replacement pulls all its state from its buddy (default: track(data_parallel="
                              "True), the model state comes from the surviving ranks' own snapshots)")
+    parser.add_argument("--data-parallel-shares", type=int, default=None,
+                        help="Job(data_parallel_shares=N) (default: 2, one per worker of a node; 1: a full copy per "
+                             "rank); writes recovery_shares{N}.json")
     args = parser.parse_args()
     print(f"recovery of 4 workers + 1 spare, {args.state_mib} MiB of state per rank, kill -9 of rank 2, state "
           f"from {'its buddy' if args.replicated else 'the surviving ranks (data_parallel)'}")
-    rows = run(args.quick, args.state_mib, args.repeat, replicated=args.replicated)
+    rows = run(args.quick, args.state_mib, args.repeat, replicated=args.replicated, shares=args.data_parallel_shares)
     print_table(rows)
-    path = RESULTS.with_name("recovery_replicated.json") if args.replicated else RESULTS
+    path = (RESULTS.with_name("recovery_replicated.json") if args.replicated else
+            RESULTS.with_name(f"recovery_shares{args.data_parallel_shares}.json") if args.data_parallel_shares else
+            RESULTS)
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({"benchmark": "recovery", "time": time.time(), "rows": rows}, indent=1))
     print(f"wrote {path}")

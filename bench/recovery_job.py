@@ -26,6 +26,7 @@ parser.add_argument("--step-seconds", type=float, default=0.05)
 parser.add_argument("--checkpoint-dir", default=None)
 parser.add_argument("--checkpoint-every", type=int, default=10)
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--data-parallel-shares", type=int, default=None, help="peerstate: Job(data_parallel_shares=N)")
 parser.add_argument("--replicated", action="store_true", help="peerstate: send all state to the buddies "
                     "(default: data_parallel=True, the model state comes from any surviving rank)")
 args = parser.parse_args()
@@ -61,7 +62,7 @@ torch.manual_seed(0)
 if args.mode == "peerstate":
     import peerstate
 
-    job = peerstate.Job()
+    job = peerstate.Job(data_parallel_shares=args.data_parallel_shares)
     model = Model(args.state_mib << 20)
     optimizer = torch.optim.AdamW(model.mlp.parameters(), lr=1e-3)
     job.track(model=model, optimizer=optimizer, data_parallel=not args.replicated)  # a spare waits here

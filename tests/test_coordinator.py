@@ -10,8 +10,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from peerstate import BuddyPlacement, JobFailedError  # noqa: E402
-from peerstate.coordinator import Coordinator, MemberReport, RecoveryPlan, recovery_point, sources_of  # noqa: E402
+from peerstate import BuddyPlacement, DataParallelShares, InvalidArgumentError, JobFailedError  # noqa: E402
+from peerstate.coordinator import (Coordinator, MemberReport, RecoveryPlan, recovery_point, share_sources,  # noqa: E402
+                                   sources_of)
 from peerstate.kvstore import TorchKeyValueStore  # noqa: E402
 from peerstate.timeline import EventLog, read_events, recovery_timeline  # noqa: E402
 
@@ -231,15 +232,62 @@ def test_an_event_still_being_appended_is_left_for_the_next_read(tmp_path):
     assert [e["event"] for e in read_events(path)] == ["joined", "recovery"]
 
 
-def test_data_parallel_state_comes_from_any_surviving_group_member():
+def test_data_parallel_state_comes_from_any_surviving_member():
     placement = BuddyPlacement(**PLACEMENT_4)
-    shared = BuddyPlacement(node_of_rank=[0, 0, 1, 1], k=1, replica_groups=[[0, 1, 2, 3]])
+    shares = DataParallelShares(node_of_rank=[0, 0, 1, 1], count=1)
     # rank 2's own state (RNG...) is on rank 0 at 9 and 10; the survivors hold 10 and 11
     reports = {0: report(0, [10, 11], {2: [10, 9]}), 1: report(1, [10, 11]), 2: report(2, needs_state=True),
                3: report(3, [10, 11])}
-    assert recovery_point(reports, placement, shared) == (10, {})
-    assert sources_of(2, 10, reports, shared) == [0, 1, 3]
-    # a lost node takes both halves' sources of rank 2 only if every group member is gone
+    assert recovery_point(reports, placement, shares) == (10, {})
+    assert share_sources(0, 10, reports, shares) == [0, 1, 3]
+    # a lost node takes rank 2's own state with it (its buddy, rank 0)
     reports[0] = report(0, needs_state=True)
-    version, lost = recovery_point(reports, placement, shared)
+    version, lost = recovery_point(reports, placement, shares)
     assert version is None and "rank 2" in lost[2] and 0 in lost
+
+
+def test_data_parallel_shares_are_held_once_per_node():
+    shares = DataParallelShares(node_of_rank=[0, 0, 1, 1, 2, 2], count=2)
+    assert [shares.share_of(r) for r in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert shares.holders(1) == [1, 3, 5]
+    # equal bytes: items laid end to end and cut in the middle, an item across the cut
+    # cut at a multiple of the alignment below it (whole items otherwise)
+    assert shares.split([100, 10, 10, 30, 60, 5], alignment=4) == [
+        [(0, 0, 100)], [(0, 0, 4), (1, 4, 10)], [(1, 0, 10)], [(1, 0, 30)], [(1, 0, 60)], [(1, 0, 5)]]
+    assert shares.split([256 << 20, 100]) == [[(0, 0, 128 << 20), (1, 128 << 20, 256 << 20)], [(1, 0, 100)]]
+    thirds = DataParallelShares(node_of_rank=[0, 0, 0, 1, 1, 1], count=3)
+    assert thirds.split([5000] * 3, alignment=1000) == [[(0, 0, 5000)], [(1, 0, 5000)], [(2, 0, 5000)]]
+    # a cut that aligns down to the item's start moves to the next share: share 0 gets
+    # nothing here (the job refuses a share count that leaves a share empty)
+    assert thirds.split([10_000], alignment=4096) == [[(1, 0, 4096), (2, 4096, 10_000)]]
+    with pytest.raises(InvalidArgumentError, match="ranks of the smallest node"):
+        DataParallelShares(node_of_rank=[0, 0, 1], count=2)
+    with pytest.raises(InvalidArgumentError, match="one node would keep one copy"):
+        DataParallelShares(node_of_rank=[0, 0], count=2)
+
+
+def test_every_member_needs_every_share_at_the_recovery_point():
+    placement = BuddyPlacement(**PLACEMENT_4)
+    shares = DataParallelShares(node_of_rank=[0, 0, 1, 1], count=2)  # share 0: ranks 0, 2; share 1: ranks 1, 3
+    reports = {0: report(0, [10, 11], {2: [10, 11]}), 1: report(1, [10, 11], {3: [11, 10]}),
+               2: report(2, needs_state=True), 3: report(3, [10, 11], {1: [10, 11]})}
+    assert recovery_point(reports, placement, shares) == (11, {})
+    assert share_sources(0, 11, reports, shares) == [0]  # rank 2 needs state: not a source
+    assert share_sources(1, 11, reports, shares) == [1, 3]
+    # rank 1 is lost too: share 1 is left on rank 3 only, at 9 and 10, though every other copy is at 11
+    reports[1] = report(1, needs_state=True)
+    reports[3] = report(3, [9, 10], {1: [10, 11]})
+    assert recovery_point(reports, placement, shares) == (10, {})
+    assert share_sources(1, 10, reports, shares) == [3]
+    # both holders of share 0 are lost: it is lost for everyone, whatever the buddies hold
+    reports = {0: report(0, needs_state=True), 1: report(1, [10, 11], {0: [11]}),
+               2: report(2, needs_state=True), 3: report(3, [10, 11], {2: [11]})}
+    version, lost = recovery_point(reports, BuddyPlacement(node_of_rank=[0, 1, 0, 1], k=1), shares=None)
+    assert version == 11  # the buddies alone would do
+    version, lost = recovery_point(reports, BuddyPlacement(node_of_rank=[0, 1, 0, 1], k=1),
+                                   DataParallelShares(node_of_rank=[0, 1, 0, 1], count=1))
+    assert version == 11  # and so would full copies
+    version, lost = recovery_point(reports, BuddyPlacement(node_of_rank=[0, 1, 0, 1], k=1),
+                                   DataParallelShares(node_of_rank=[0, 0, 1, 1], count=2))
+    assert version is None and lost == {0: "data-parallel share 0 has no surviving copy (its holders [0, 2] "
+                                            "were all lost)"}

@@ -65,9 +65,10 @@ def test_fewer_versions_than_a_recovery_can_need_are_refused():
         peerstate.Job(versions=3)
 
 
-@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
-def test_kill_one_worker_recovers_bitwise(run, reference, data_parallel):
-    job = run(script_args=["--data-parallel"] if data_parallel else [])
+@pytest.mark.parametrize("script_args", [[], ["--data-parallel"], ["--data-parallel", "--data-parallel-shares", "1"]],
+                         ids=["replicated", "data-parallel", "data-parallel-full-copies"])
+def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
+    job = run(script_args=script_args)
     job.wait_for_step(2, 10)
     job.kill_rank(2)
     assert job.wait() == [0, 0], job.describe()
@@ -78,14 +79,33 @@ def test_kill_one_worker_recovers_bitwise(run, reference, data_parallel):
     assert all(v is not None and v >= 0 for v in recovery["phases_s"].values())
     [end] = job.events("job_end")
     assert end["steps"] == STEPS and 0 < end["goodput"] <= 1
-    if data_parallel:  # the spare (node 0) read the model state from ranks 0 and 1 on its node, not over TCP
-        [pulled] = job.events("pulled")
-        assert pulled["same_node_sources"] == [0, 1], pulled
-        assert pulled["chunks_from_memory"] == pulled["chunks"] > 0, pulled
+    pulled = {p["rank"]: p for p in job.events("pulled")}
+    if script_args == ["--data-parallel"]:
+        # Two data-parallel shares (one per rank of a node; rank r holds share r % 2). The
+        # survivors pulled the share they lack, the replacement both.
+        assert {r: (p["shares"], p["replacement"]) for r, p in pulled.items()} == \
+            {0: ([1], False), 1: ([0], False), 2: ([0, 1], True), 3: ([0], False)}, pulled
+        # Where the source shares the puller's node, chunks are read from its memory,
+        # not over TCP: the spare (node 0) and rank 1 read from ranks 0 and 1, while
+        # rank 3 (node 1) lost its node's copy of share 0 with rank 2.
+        assert pulled[2]["same_node_sources"] == [0, 1] and pulled[2]["chunks_from_memory"] > 0, pulled
+        assert pulled[1]["same_node_sources"] == [0], pulled
+        assert pulled[1]["chunks_from_memory"] == pulled[1]["chunks"] > 0, pulled
+        assert pulled[3]["same_node_sources"] == [] and pulled[3]["chunks_from_memory"] == 0, pulled
+    elif script_args:
+        # A full copy on every rank: the survivors pull nothing; the spare (node 0) read
+        # everything from ranks 0 and 1 on its node, not over TCP.
+        assert list(pulled) == [2] and pulled[2]["shares"] == [0], pulled
+        assert pulled[2]["same_node_sources"] == [0, 1], pulled
+        assert pulled[2]["chunks_from_memory"] == pulled[2]["chunks"] > 0, pulled
+    else:
+        assert not pulled, pulled
 
 
-def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):
-    job = run(script_args=["--step-seconds", "0.2"])  # slow steps: the refill takes a few seconds
+@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
+def test_two_failures_in_sequence_refill_the_spare_pool(run, reference, data_parallel):
+    # With data-parallel shares, survivors pull the share they lack at each recovery.
+    job = run(script_args=["--step-seconds", "0.2"] + (["--data-parallel"] if data_parallel else []))
     job.wait_for_step(1, 5)
     job.kill_rank(1)
     job.wait_for(lambda: recoveries(job), "the first recovery")
@@ -94,6 +114,9 @@ def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):
     assert job.wait() == [0, 0], job.describe()
     assert_bitwise(job, reference)
     assert [r["failed"] for r in recoveries(job)] == [[1], [3]]
+    if data_parallel:  # ranks 0 and 2 pulled share 1 twice, into a store of two slots
+        pulls = [(p["rank"], p["shares"]) for p in job.events("pulled") if not p["replacement"]]
+        assert sorted(pulls) == [(0, [1]), (0, [1]), (1, [0]), (2, [1]), (2, [1]), (3, [0])], pulls
 
 
 def test_a_dead_spare_is_replaced(run, reference):
@@ -109,8 +132,10 @@ def test_a_dead_spare_is_replaced(run, reference):
     assert len(recoveries(job)) == 1
 
 
-def test_second_failure_during_a_recovery(run, reference):
-    job = run(nodes=[(2, 1), (2, 1)])
+@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
+def test_second_failure_during_a_recovery(run, reference, data_parallel):
+    # With data-parallel shares, rank 1 holds the share that ranks 0 and the replacement pull.
+    job = run(nodes=[(2, 1), (2, 1)], script_args=["--data-parallel"] if data_parallel else [])
     job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
     job.wait_for_step(2, 10)
     job.kill_rank(2)
@@ -194,9 +219,10 @@ def test_rank_and_its_only_buddy_lost_stops_the_job_cleanly(run):
     assert "cannot go on" in summary
 
 
-def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, reference, tmp_path):
+@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
+def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, reference, tmp_path, data_parallel):
     checkpoints = tmp_path / "checkpoints"
-    job = run(nodes=[(2, 2), (2, 0)],
+    job = run(nodes=[(2, 2), (2, 0)], script_args=["--data-parallel"] if data_parallel else [],
               agent_args=FAST + ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "5"])
     job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
     job.wait_for_step(2, 12)
@@ -206,7 +232,8 @@ def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, ref
     assert_bitwise(job, reference)
     [fallback] = {e["step"]: e for e in job.events("checkpoint_fallback")}.values()
     assert fallback["step"] % 5 == 0 and "ranks 0 and 2 lost" in fallback["message"]
-
+    if data_parallel:  # ranks 0 and 2 were the two holders of data-parallel share 0
+        assert "data-parallel share 0 has no surviving copy" in fallback["message"], fallback
 
 
 def test_fsdp2_shards_recover_bitwise(run, tmp_path_factory):

@@ -275,6 +275,33 @@ def test_tensor_resized_in_place_is_detected(store):
         store.restore(1)
 
 
+def test_byte_ranges_of_one_tensor_in_two_stores_restore_their_own_bytes():
+    # How a data-parallel share cuts a large tensor: each store holds one part.
+    t = torch.arange(10_000, dtype=torch.float32)
+    first, second = peerstate.SnapshotStore(), peerstate.SnapshotStore()
+    first.register("t[0:16384]", peerstate.ByteRange(t, 0, 16384))
+    second.register("t[16384:40000]", peerstate.ByteRange(t, 16384, 40000 - 16384))
+    first.snapshot(1).wait()
+    second.snapshot(1).wait()
+    t.fill_(-1)
+    first.restore(1)
+    assert torch.equal(t[:4096], torch.arange(4096, dtype=torch.float32)) and bool((t[4096:] == -1).all())
+    second.restore(1)
+    assert torch.equal(t, torch.arange(10_000, dtype=torch.float32))
+    t.resize_(1_000_000)  # reallocates: the whole tensor is watched, not only the range
+    with pytest.raises(peerstate.RegistrationMismatchError, match=r"'t\[16384:40000\]' no longer matches"):
+        second.snapshot(2)
+    for store in (first, second):
+        store.close()
+
+
+@pytest.mark.parametrize("offset, nbytes", [(-4, 8), (0, 0), (36, 8)])
+def test_a_byte_range_outside_its_tensor_is_refused(store, offset, nbytes):
+    with pytest.raises(peerstate.InvalidArgumentError, match="not a non-empty range inside its 40 bytes"):
+        store.register("x", peerstate.ByteRange(torch.zeros(10), offset, nbytes))
+    assert store.registered() == []
+
+
 def test_a_tensor_resized_deep_in_a_large_registration_fails_the_version_and_keeps_the_last(store):
     # 3 batches of the registration check: the copy of the first ones is under
     # way when the check reaches the resized tensor, and all of it is dropped.

@@ -20,6 +20,7 @@ parser.add_argument("--step-seconds", type=float, default=0.05, help="extra time
 parser.add_argument("--out", default=None)
 parser.add_argument("--fail-at-import", action="store_true")
 parser.add_argument("--data-parallel", action="store_true", help="track(data_parallel=True)")
+parser.add_argument("--data-parallel-shares", type=int, default=None, help="Job(data_parallel_shares=N)")
 parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
 parser.add_argument("--trace", action="store_true", help="print a digest of the parameters at each step")
 parser.add_argument("--width", type=int, default=64)
@@ -33,7 +34,8 @@ if args.fail_at_import:
     raise ImportError("this script was told to fail at start-up")
 
 torch.set_num_threads(1)
-job = peerstate.Job(join_timeout=60.0, failure_grace=20.0, abort_timeout=args.abort_timeout)
+job = peerstate.Job(join_timeout=60.0, failure_grace=20.0, abort_timeout=args.abort_timeout,
+                    data_parallel_shares=args.data_parallel_shares)
 hold_rank, hold_step = map(int, args.hold.split(":")) if args.hold else (None, None)
 if args.fsdp:
     job.wait_for_rank()  # fully_shard needs the process group: a spare builds its model once picked

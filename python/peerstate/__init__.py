@@ -6,9 +6,10 @@ stay in their processes. ``import peerstate`` needs no GPU, CUDA, torch or numpy
 """
 
 from peerstate import _C
+from peerstate.buffers import ByteRange
 from peerstate.errors import *  # noqa: F401,F403
 from peerstate.errors import __all__ as _error_names
-from peerstate.placement import BuddyPlacement, PlacementWarning
+from peerstate.placement import BuddyPlacement, DataParallelShares, PlacementWarning
 from peerstate.job import Job
 from peerstate.replication import Replication
 from peerstate.snapshot import SnapshotHandle, SnapshotStore
@@ -29,6 +30,8 @@ def cuda_available() -> bool:
 
 __all__ = [
     "BuddyPlacement",
+    "ByteRange",
+    "DataParallelShares",
     "Job",
     "PlacementWarning",
     "Replication",

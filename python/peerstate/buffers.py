@@ -2,7 +2,7 @@
 
 Supported: ``torch.Tensor`` (CPU or CUDA), ``numpy.ndarray``, any object with
 ``__cuda_array_interface__`` (cupy), and writable objects with the buffer
-protocol (``bytearray``, ``memoryview``). Memory must be contiguous and
+protocol (``bytearray``, ``memoryview``); ``ByteRange`` names a part of one. Memory must be contiguous and
 writable, since a restore writes into it. torch and numpy are only imported
 when such an object is passed.
 """
@@ -27,6 +27,8 @@ class Buffer:
     device: int  # CUDA device index, or HOST
     owner: Any  # kept alive while registered
     dtype: str = ""  # e.g. "torch.float32[1024,4096]": a restore into other bytes is refused
+    offset: int = 0  # where the region starts in owner's memory (a ByteRange)
+    extent: int = -1  # owner's size when registered (-1: nbytes)
 
     def moved(self) -> str | None:
         """Why ``owner`` no longer matches this region, or None if it still does."""
@@ -34,24 +36,48 @@ class Buffer:
         if torch is not None and isinstance(self.owner, torch.Tensor):
             # The hot path: one call per tensor. A tensor can only lose its memory
             # by an in-place resize or set_(), and both change data_ptr().
-            if self.nbytes == 0 or self.owner.data_ptr() == self.ptr:
+            if self.nbytes == 0 or self.owner.data_ptr() + self.offset == self.ptr:
                 return None
         now = describe("", self.owner)
-        if now.nbytes != self.nbytes:
-            return f"its size changed from {self.nbytes} to {now.nbytes} bytes"
-        if now.ptr != self.ptr:
+        extent = self.nbytes if self.extent < 0 else self.extent
+        if now.nbytes != extent:
+            return f"its size changed from {extent} to {now.nbytes} bytes"
+        if now.ptr + self.offset != self.ptr:
             return "its storage moved (it was resized or reassigned in place)"
         return None
 
 
+@dataclass(frozen=True)
+class ByteRange:
+    """``nbytes`` bytes from byte ``offset`` of ``owner`` (a tensor or array), to
+    register as a buffer of its own: e.g. one share of a large tensor. The
+    registration check still watches the whole of ``owner``."""
+
+    owner: Any
+    offset: int
+    nbytes: int
+
+
 def describe(name: str, obj: Any) -> Buffer:
     """Return the Buffer for ``obj`` or raise InvalidArgumentError naming ``name``."""
+    if isinstance(obj, ByteRange):
+        return _describe_range(name, obj)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         return _describe_tensor(name, obj)
     if hasattr(obj, "__cuda_array_interface__"):
         return _describe_cuda_array(name, obj)
     return _describe_host_buffer(name, obj)
+
+
+def _describe_range(name: str, part: ByteRange) -> Buffer:
+    whole = describe(name, part.owner)
+    if not (0 <= part.offset and 0 < part.nbytes and part.offset + part.nbytes <= whole.nbytes):
+        raise InvalidArgumentError(f"'{name}': bytes [{part.offset}, {part.offset + part.nbytes}) are not a non-empty "
+                                   f"range inside its {whole.nbytes} bytes")
+    return Buffer(whole.ptr + part.offset, part.nbytes, whole.device, whole.owner,
+                  f"{whole.dtype} bytes [{part.offset}:{part.offset + part.nbytes}]", whole.offset + part.offset,
+                  whole.nbytes if whole.extent < 0 else whole.extent)
 
 
 def _describe_tensor(name: str, t: Any) -> Buffer:

@@ -41,7 +41,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from peerstate.errors import JobFailedError
 from peerstate.kvstore import KeyValueStore
-from peerstate.placement import BuddyPlacement
+from peerstate.placement import BuddyPlacement, DataParallelShares
 
 
 def node_of_worker(worker: str) -> int:
@@ -87,9 +87,9 @@ class MemberReport:
     replicas: Dict[int, List[int]]   # source rank -> the versions of its replica held here
     address: Tuple[str, int]         # its replication server
     needs_state: bool = False        # new in this epoch, or joined earlier and not restored yet
-    shared_address: Optional[Tuple[str, int]] = None  # its server of data-parallel state, if any
+    shared_address: Optional[Tuple[str, int]] = None  # its server of its data-parallel share
     pid: int = 0
-    shared_regions: Dict[int, int] = field(default_factory=dict)  # version -> its address in that store
+    shared_regions: Dict[int, int] = field(default_factory=dict)  # version -> its address in that share's store
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -106,14 +106,14 @@ class MemberReport:
 
 
 def recovery_point(reports: Mapping[int, MemberReport], placement: BuddyPlacement,
-                   shared: Optional[BuddyPlacement] = None) -> Tuple[Optional[int], Dict[int, str]]:
+                   shares: Optional[DataParallelShares] = None) -> Tuple[Optional[int], Dict[int, str]]:
     """The newest version every rank can resume from, and why a rank cannot.
 
     A member that kept its state resumes from its own SnapshotStore; one that
     needs state (a replacement) from a holder's replica or a replica-group
-    peer's own snapshot. With ``shared`` (the placement of state that is the
-    same on a group of ranks, e.g. data-parallel model and optimizer, kept in a
-    second store), a replacement also needs the version from a group peer.
+    peer's own snapshot. With ``shares`` (how the data-parallel state, the same
+    on every rank, is split among the ranks' second stores), every member also
+    needs each share at that version from a member that kept its state.
     Returns (version, {}), or (None, {rank: reason}) when some rank has no
     copy left (rank -1: copies exist but of different steps).
     """
@@ -128,9 +128,6 @@ def recovery_point(reports: Mapping[int, MemberReport], placement: BuddyPlacemen
                     available.update(held.local)
                 else:
                     available.update(held.replicas.get(rank, []))
-            if shared is not None:
-                peers = [s for s in shared.sources(rank) if not reports[s].needs_state]
-                available &= {v for s in peers for v in reports[s].local}
             if not available:
                 gone = [s for s in placement.sources(rank) if reports[s].needs_state]
                 lost[rank] = (f"shard of rank {rank} has no surviving copy (its holders {gone} were lost too)"
@@ -139,6 +136,14 @@ def recovery_point(reports: Mapping[int, MemberReport], placement: BuddyPlacemen
         else:
             available = set(reports[rank].local)
         candidates = available if candidates is None else candidates & available
+    for share in range(shares.count if shares is not None else 0):
+        holders = shares.holders(share)
+        kept = [s for s in holders if not reports[s].needs_state]
+        if not kept:
+            lost[min(holders)] = (f"data-parallel share {share} has no surviving copy (its holders {holders} "
+                                  "were all lost)")
+        elif candidates is not None:
+            candidates &= {v for s in kept for v in reports[s].local}
     if lost:
         return None, lost
     if not candidates:
@@ -152,6 +157,12 @@ def sources_of(rank: int, version: int, reports: Mapping[int, MemberReport],
     group = placement.replica_group(rank)
     return [s for s in placement.sources(rank)
             if (s in group and version in reports[s].local) or version in reports[s].replicas.get(rank, [])]
+
+
+def share_sources(share: int, version: int, reports: Mapping[int, MemberReport],
+                  shares: DataParallelShares) -> List[int]:
+    """The members that kept their state and hold data-parallel ``share`` at ``version``."""
+    return [s for s in shares.holders(share) if not reports[s].needs_state and version in reports[s].local]
 
 
 def _assignment(epoch: int, rank: int) -> bytes:

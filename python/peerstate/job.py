@@ -25,8 +25,10 @@ group and the replication transfers, so the loop's blocked call fails into
 ``guard``. The next turn of ``steps()`` then joins the new epoch: members
 report what they hold, agree on the recovery point v (the newest version held
 for every rank), re-form the process group, roll back to v (survivors from
-their own snapshot, the replacement by pulling it from the buddies), rebuild
-DDP and go on at step v+1, bit for bit the run that never failed.
+their own snapshot, the replacement by pulling it from the buddies; with
+``data_parallel=True`` everyone also pulls the data-parallel shares it does
+not snapshot itself), rebuild DDP and go on at step v+1, bit for bit the run
+that never failed.
 
 A hot spare runs the same script: ``Job()`` returns at once, the model and
 optimizer are built ahead of time, and ``track()`` registers and allocates
@@ -51,18 +53,19 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Container, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from peerstate.buffers import ByteRange
 from peerstate.coordinator import (Coordinator, MemberReport, RecoveryPlan, node_of_worker, recovery_point,
-                                   same_node_regions, sources_of)
+                                   same_node_regions, share_sources, sources_of)
 from peerstate.errors import AbortedError, InvalidArgumentError, JobFailedError, StateLostError
 from peerstate.kvstore import TorchKeyValueStore
-from peerstate.placement import BuddyPlacement, PlacementWarning
+from peerstate.placement import BuddyPlacement, DataParallelShares, PlacementWarning
 from peerstate.process_groups import ProcessGroups, Subgroup
 from peerstate.progress import ProgressCounter
 from peerstate.replication import Replication
 from peerstate.snapshot import SnapshotStore
-from peerstate.state_dict import register_training_state
+from peerstate.state_dict import training_state
 from peerstate.timeline import EventLog, read_events, recovery_timeline
 
 # A worker that could not leave a blocked call within Job(abort_timeout=...) exits with this (EX_SOFTWARE).
@@ -232,13 +235,21 @@ class Job:
             And a gloo group is created under ``abort_timeout / 10``: a member
             that dies inside the re-forming holds the others up to five times
             that (gloo's connect wait), again ``abort_timeout / 2``.
+        data_parallel_shares: with ``track(data_parallel=True)``, how many shares the
+            data-parallel state is split into for snapshots (``DataParallelShares``):
+            the i-th rank of a node snapshots share i % shares. Default: one share
+            per rank of a node when the job has two nodes or more (each node keeps
+            one full copy), else 1 (every rank keeps a full copy). Fewer bytes per
+            step per rank; a recovery pulls the shares a rank lacks. Also read
+            from ``PEERSTATE_DATA_PARALLEL_SHARES``.
         replica_budget_bytes, snapshot_threads: passed to the stores.
     """
 
     def __init__(self, *, snapshot_every: int = 1, versions: int = 4, k: int = 1, backend: Optional[str] = None,
                  checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, join_timeout: float = 120.0,
                  failure_grace: float = 30.0, replica_budget_bytes: Optional[int] = None,
-                 snapshot_threads: Optional[int] = None, abort_timeout: float = 60.0) -> None:
+                 snapshot_threads: Optional[int] = None, abort_timeout: float = 60.0,
+                 data_parallel_shares: Optional[int] = None) -> None:
         if not 0 < abort_timeout < join_timeout:
             raise InvalidArgumentError(f"abort_timeout must be positive and shorter than join_timeout, which the "
                                        f"other members wait for this one (got {abort_timeout} and {join_timeout})")
@@ -268,13 +279,19 @@ class Job:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PlacementWarning)
             self.shared_placement = BuddyPlacement(nodes, k=1, replica_groups=[list(range(env.world_size))])
+        if data_parallel_shares is None and os.environ.get("PEERSTATE_DATA_PARALLEL_SHARES"):
+            data_parallel_shares = int(os.environ["PEERSTATE_DATA_PARALLEL_SHARES"])
+        if data_parallel_shares is None:
+            data_parallel_shares = env.nproc_per_node if len(set(nodes)) > 1 else 1
+        self.shares = DataParallelShares(nodes, data_parallel_shares)
         self.progress = ProgressCounter(env.progress) if env.progress else None
         if self.progress:
             self.progress.start_ticking()
         self._secret = env.secret or bytes.fromhex(self.kv.get("job/secret").decode())
         self._replica_budget_bytes = replica_budget_bytes
         self.snapshots = SnapshotStore(max_versions=versions, threads=snapshot_threads)  # this rank's own state
-        self.shared = SnapshotStore(max_versions=versions, threads=snapshot_threads)  # data-parallel state
+        self._versions, self._snapshot_threads = versions, snapshot_threads
+        self.shared: List[SnapshotStore] = []  # the data-parallel state, one store per share
         # gloo: a collective or a rendezvous that no abort wakes fails on its own well
         # before the deadline (the members reach form() together: _join is a barrier).
         self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,
@@ -298,14 +315,14 @@ class Job:
         self._guarded = False
         self._marks: Dict[str, float] = {}
         self._first_step_after: Optional[int] = None
-        self._pulled: Optional[Dict[str, Any]] = None  # a replacement's data-parallel pull, for the event log
+        self._pulled: Optional[Dict[str, Any]] = None  # the last recovery's data-parallel pulls, for the event log
         self._step_seconds: List[float] = []
         self._start_recorded = False
         self._closed = False
         self._replacement = False
         self.watcher: Optional[EpochWatcher] = None
         self.replication: Optional[Replication] = None
-        self.shared_replication: Optional[Replication] = None
+        self.shared_replication: List[Replication] = []  # one per share, as self.shared
         self._data_parallel = False
         atexit.register(self.close)  # an exception out of the loop still stops the threads in order
         if env.role != "spare":
@@ -320,10 +337,11 @@ class Job:
         self._replacement = self._needs_state
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % self._env.nproc_per_node),
                           GROUP_RANK=str(node_of_worker(self.worker)))
+        self._create_share_stores()
         self.replication = Replication(self.snapshots, rank, self.placement, secret=self._secret,
                                        host=self._env.host, replica_budget_bytes=self._replica_budget_bytes)
-        self.shared_replication = Replication(self.shared, rank, self.shared_placement, secret=self._secret,
-                                              host=self._env.host)
+        self.shared_replication = [Replication(store, rank, self.shared_placement, secret=self._secret,
+                                               host=self._env.host) for store in self.shared]
         self.watcher = EpochWatcher(self.kv.clone(), plan, self._on_new_epoch)
         self._in_recovery = True
         try:
@@ -377,10 +395,11 @@ class Job:
         on the rank. Once given one it pulls the state and returns.
 
         ``data_parallel=True`` says that model, optimizer and scheduler state are the
-        same on every rank (DistributedDataParallel): they are then snapshotted but
-        not replicated, and a replacement pulls them from any surviving rank's own
-        snapshot (no traffic, no extra memory). Only each rank's own state (RNG,
-        loader, extras) goes to its buddies."""
+        same on every rank (DistributedDataParallel): they are then not replicated;
+        each rank snapshots its share of them (``data_parallel_shares``), and a rank
+        that recovers pulls the shares it lacks from the surviving ranks' own
+        snapshots (no replication traffic, no extra memory). Only each rank's own
+        state (RNG, loader, extras) goes to its buddies."""
         self._data_parallel = data_parallel
         self._tracked = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
                          "extras": dict(extras or {})}
@@ -457,8 +476,8 @@ class Job:
             deadline.daemon = True
             deadline.start()
             self.groups.abort(plan.epoch)
-            self.replication.abort_transfers()
-            self.shared_replication.abort_transfers()
+            for replication in (self.replication, *self.shared_replication):
+                replication.abort_transfers()
         self.events.write("epoch_seen", epoch=plan.epoch, rank=self.rank)
 
     def _abort_deadline(self, epoch: int) -> None:
@@ -504,8 +523,8 @@ class Job:
                                         json.dumps(wrapper.bucket_layout()).encode())
             self.groups.destroy()
             with self._epoch_lock:  # see _on_new_epoch
-                self.replication.reset()
-                self.shared_replication.reset()
+                for replication in (self.replication, *self.shared_replication):
+                    replication.reset()
                 self.epoch = plan.epoch
             self._pending_replication = None
             if not self._needs_state:
@@ -516,24 +535,24 @@ class Job:
         # It is waited for below only if it is the recovery point.
         local = set.intersection(*({*store.committed_versions(), store.in_flight_version()} - {None}
                                    for store in self._stores()))
-        shared_regions = {v: self.shared.region_address(v) for v in local} if self._data_parallel else {}
+        own_share = self.shares.share_of(self.rank)
+        shared_regions = {v: self.shared[own_share].region_address(v) for v in local} if self._data_parallel else {}
         self.kv.set(f"epoch/{plan.epoch}/report/{self.rank}", MemberReport(
             self.rank, self.worker, sorted(local), self.replication.held_versions(), self.replication.address,
-            self._needs_state, self.shared_replication.address, os.getpid(), shared_regions).encode())
+            self._needs_state, self.shared_replication[own_share].address, os.getpid(), shared_regions).encode())
         reports = self._gather_reports(plan.epoch)
         self.replication.connect({r: report.address for r, report in reports.items()})
-        self.shared_replication.connect({r: report.shared_address for r, report in reports.items()})
+        for replication in self.shared_replication:  # every rank's server is the one of its own share
+            replication.connect({r: report.shared_address for r, report in reports.items()})
         restore = None
         if plan.epoch > 0:
-            version, lost = recovery_point(reports, self.placement,
-                                           self.shared_placement if self._data_parallel else None)
+            version, lost = recovery_point(reports, self.placement, self.shares if self._data_parallel else None)
             if version is None:
                 restore = self._fall_back_to_checkpoint(plan, lost, reports)
             else:
                 self.replication.drop_newer(version)
-                shared_sources = sources_of(self.rank, version, reports, self.shared_placement)
-                restore = ("pull", version, (sources_of(self.rank, version, reports, self.placement), shared_sources,
-                                             same_node_regions(self.worker, version, shared_sources, reports)))
+                restore = ("pull", version, (sources_of(self.rank, version, reports, self.placement),
+                                             self._share_pulls(version, reports)))
             self.next_step = restore[1] + 1
             self._first_step_after = self.next_step
         # Rolling back from memory overlaps the re-forming of the group: both take tens
@@ -554,7 +573,12 @@ class Job:
             return
         self.recoveries += 1
         if rolling is not None:
-            rolling.join()
+            try:
+                rolling.join()
+            except Exception:  # noqa: BLE001 - a pull from a member that died meanwhile
+                if not self._failure_declared(plan.epoch):
+                    raise
+                raise _Superseded() from None
         elif not self._needs_state or self._registered:
             self._roll_back(restore)
         else:
@@ -568,6 +592,40 @@ class Job:
             wrapper.rebuild(init_sync=False, layout=wrapper.bucket_layout())
         _reset_fsdp(self._tracked.get("model"))
 
+    def _share_pulls(self, version: int, reports: Mapping[int, MemberReport]) -> Dict[int, Tuple[List[int], Any]]:
+        """share -> (its sources, those on this node with their regions) for each
+        data-parallel share this rank must pull to be at ``version``: every share for
+        a rank that needs state, else all but its own."""
+        if not self._data_parallel:
+            return {}
+        pulls = {}
+        for share in range(self.shares.count):
+            if share == self.shares.share_of(self.rank) and not self._needs_state:
+                continue
+            sources = share_sources(share, version, reports, self.shares)
+            pulls[share] = (sources, same_node_regions(self.worker, version, sources, reports))
+        return pulls
+
+    def _pull_shares(self, version: int, pulls: Mapping[int, Tuple[List[int], Any]]) -> None:
+        """Pull ``version`` of the data-parallel shares in ``pulls`` (see _share_pulls), all
+        at once: a share whose holders are on this node reads their memory while another
+        comes over TCP."""
+        def pull(share: int) -> None:
+            sources, regions = pulls[share]
+            self.shared_replication[share].pull(self.rank, version, sources=sources, same_machine=regions)
+
+        shares = sorted(pulls)
+        threads = [_Background(pull, share, name=f"peerstate-pull-share-{share}") for share in shares]
+        for thread in threads:
+            thread.join(check=False)
+        for thread in threads:
+            thread.join()  # the first error, once none is left running
+        if shares:  # logged after the first step
+            totals = {key: sum(self.shared_replication[s].last_pull[key] for s in shares)
+                      for key in ("chunks", "chunks_from_memory")}
+            self._pulled = dict(rank=self.rank, version=version, replacement=self._needs_state, shares=shares,
+                                same_node_sources=sorted({s for share in shares for s in pulls[share][1]}), **totals)
+
     def _roll_back(self, restore: Tuple[str, int, Any]) -> None:
         """Bring the registered state back to the recovery point."""
         kind, version, where = restore
@@ -578,17 +636,21 @@ class Job:
             self._load_checkpoint(where, version)
             self._mark("restore")
         else:
-            self._restore_stores(version)
+            self._pull_shares(version, where[1])
+            self._restore_stores(version, pulled_shares=set(where[1]))
             self._mark("restore")
 
-    def _restore_stores(self, version: int, verify: bool = True) -> None:
-        """Restore ``version`` from every store in use, the data-parallel one first: its
+    def _restore_stores(self, version: int, pulled_shares: Container[int] = (), pulled_own: bool = False) -> None:
+        """Restore ``version`` from every store, the data-parallel shares first: their
         objects (scheduler) are applied before this rank's own (RNG). A newer version
-        in flight is cancelled; ``version`` itself, if in flight, is waited for."""
-        for store in reversed(self._stores()):
+        in flight is cancelled; ``version`` itself, if in flight, is waited for.
+        What was just pulled (``pulled_shares``, and this rank's own state with
+        ``pulled_own``) skips the checksum pass: every chunk was verified as it arrived."""
+        shares = [(store, share in pulled_shares) for share, store in enumerate(self.shared)]
+        for store, pulled in (shares if self._data_parallel else []) + [(self.snapshots, pulled_own)]:
             if store.in_flight_version() == version:
                 store.wait()
-            store.restore(version, verify=verify)
+            store.restore(version, verify=not pulled)
 
     def _gather_reports(self, epoch: int) -> Dict[int, MemberReport]:
         keys = [f"epoch/{epoch}/report/{r}" for r in range(self.world_size)]
@@ -650,14 +712,11 @@ class Job:
             self._load_checkpoint(where, version)
             self._mark("transfer")
         else:
-            own_sources, shared_sources, same_node = where
+            own_sources, share_pulls = where
             self.replication.pull(self.rank, version, sources=own_sources)
-            if self._data_parallel:
-                self.shared_replication.pull(self.rank, version, sources=shared_sources, same_machine=same_node)
-                self._pulled = dict(rank=self.rank, version=version, same_node_sources=sorted(same_node),
-                                    **self.shared_replication.last_pull)  # logged after the first step
+            self._pull_shares(version, share_pulls)
             self._mark("transfer")
-            self._restore_stores(version, verify=False)  # verified chunk by chunk as it arrived
+            self._restore_stores(version, pulled_shares=share_pulls, pulled_own=True)
         self._mark("restore")
         self._pending_restore = None
         self._needs_state = False
@@ -718,22 +777,66 @@ class Job:
     def _register(self) -> None:
         """Register the tracked state with the SnapshotStores and allocate their versions."""
         tracked = self._tracked
-        common = self.shared if self._data_parallel else self.snapshots
-        register_training_state(common, model=tracked.get("model"), optimizer=tracked.get("optimizer"))
+        tensors, objects = training_state(tracked.get("model"), tracked.get("optimizer"))
         if tracked.get("scheduler") is not None:
-            common.register_object("scheduler", tracked["scheduler"].state_dict, tracked["scheduler"].load_state_dict)
+            objects["scheduler"] = (tracked["scheduler"].state_dict, tracked["scheduler"].load_state_dict)
+        if self._data_parallel:
+            self._create_share_stores()
+            self._register_shares(tensors, objects)
+        else:
+            self.snapshots.register_many(tensors)
+            for name, (get, set_) in objects.items():
+                self.snapshots.register_object(name, get, set_)
         private = {"loader": tracked.get("loader"), **{f"extras/{n}": v for n, v in tracked.get("extras", {}).items()}}
         for name, obj in private.items():
             if obj is not None:
                 self.snapshots.register_object(name, obj.state_dict, obj.load_state_dict)
         self.snapshots.register_object("rng", _rng_state, _set_rng_state)
-        for store in self._stores():
+        for store in self._all_stores():
             store.allocate()
         self._registered = True
 
+    def _create_share_stores(self) -> None:
+        """One store per data-parallel share. This rank snapshots its own share into
+        ``versions`` slots; the others only receive the shares it pulls at a recovery,
+        into two. A spare registers before it knows its share: all get ``versions``."""
+        if self.shared:
+            return
+        own = None if self.rank is None else self.shares.share_of(self.rank)
+        self.shared = [SnapshotStore(max_versions=self._versions if own in (None, share) else 2,
+                                     threads=self._snapshot_threads) for share in range(self.shares.count)]
+
+    def _register_shares(self, tensors: Mapping[str, Any], objects: Mapping[str, Tuple[Callable, Callable]]) -> None:
+        """Cut the data-parallel state into the share stores (the same cut on every
+        rank; a tensor across a cut is registered as two byte ranges); its Python
+        state goes with the lightest share."""
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]
+        load = [0] * self.shares.count
+        for (name, tensor), size, pieces in zip(tensors.items(), sizes, self.shares.split(sizes)):
+            for share, start, end in pieces:
+                if (start, end) == (0, size):
+                    self.shared[share].register(name, tensor)
+                else:
+                    self.shared[share].register(f"{name}[{start}:{end}]", ByteRange(tensor, start, end - start))
+                load[share] += end - start
+        lightest = self.shared[load.index(min(load))]
+        for name, (get, set_) in objects.items():
+            lightest.register_object(name, get, set_)
+        empty = [share for share, store in enumerate(self.shared) if not store.registered()]
+        if empty:
+            raise InvalidArgumentError(f"data-parallel shares {empty} would be empty: the tracked state has "
+                                       f"{sum(sizes)} bytes for {self.shares.count} shares; pass "
+                                       "Job(data_parallel_shares=...) a smaller count")
+
     def _stores(self) -> List[SnapshotStore]:
-        """The stores in use: this rank's own, then the data-parallel one."""
-        return [self.snapshots, self.shared] if self._data_parallel else [self.snapshots]
+        """The stores this rank snapshots: its own, then its share of the data-parallel state."""
+        if not self._data_parallel:
+            return [self.snapshots]
+        return [self.snapshots, self.shared[self.shares.share_of(self.rank)]]
+
+    def _all_stores(self) -> List[SnapshotStore]:
+        """Every store holding tracked state: this rank's own, then each data-parallel share."""
+        return [self.snapshots, *self.shared] if self._data_parallel else [self.snapshots]
 
     def _reserve_replicas(self, background: bool = False) -> None:
         """Account (and allocate) the replicas of the ranks this rank serves."""
@@ -748,19 +851,25 @@ class Job:
 
     # -- disk checkpoints (the fallback when every copy is lost) --------------------
     def _checkpoint_state(self) -> Dict[str, Any]:
+        """What a disk checkpoint holds, keyed the same whatever the data-parallel
+        shares: this rank's own tensors and objects, then the whole data-parallel
+        tensors and the objects of every share."""
         import torch
 
-        state: Dict[str, Any] = {}
-        for index, store in enumerate(self._stores()):
-            state.update({f"rank{self.rank}/{index}/{name}": owner for name, owner in store.owners().items()
-                          if isinstance(owner, torch.Tensor)})
-            state[f"rank{self.rank}/{index}/objects"] = store.capture_objects()
+        own = {name: owner for name, owner in self.snapshots.owners().items() if isinstance(owner, torch.Tensor)}
+        state: Dict[str, Any] = {f"rank{self.rank}/own/{name}": t for name, t in own.items()}
+        state[f"rank{self.rank}/own/objects"] = self.snapshots.capture_objects()
+        if self._data_parallel:
+            tensors, _ = training_state(self._tracked.get("model"), self._tracked.get("optimizer"))
+            state.update({f"rank{self.rank}/data_parallel/{name}": t for name, t in tensors.items()})
+            state[f"rank{self.rank}/data_parallel/objects"] = {
+                name: value for store in self.shared for name, value in store.capture_objects().items()}
         return state
 
     def _save_checkpoint(self, step: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        for store in self._stores():
+        for store in self._all_stores():
             store.wait()
         dcp.save(self._checkpoint_state(), checkpoint_id=os.path.join(self.checkpoint_dir, f"step_{step:09d}"))
 
@@ -769,8 +878,9 @@ class Job:
 
         state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=path, no_dist=True)
-        for index, store in enumerate(self._stores()):
-            store.apply_objects(state[f"rank{self.rank}/{index}/objects"])
+        for store in self._all_stores():
+            part = "own" if store is self.snapshots else "data_parallel"
+            store.apply_objects(state[f"rank{self.rank}/{part}/objects"])
             store.drop_newer(step)  # the next snapshot is step + 1
 
     # -- accounting -----------------------------------------------------------------
@@ -819,14 +929,14 @@ class Job:
             self.progress.finish()  # shutting down takes a while: not a hang
         if self.watcher is not None:
             self.watcher.stop()
-        for replication in (self.replication, self.shared_replication):
+        for replication in (self.replication, *self.shared_replication):
             if replication is not None:
                 replication.close()
         for wrapper in self._ddps:
             wrapper.release()
         self.groups.destroy()
-        self.snapshots.close()
-        self.shared.close()
+        for store in (self.snapshots, *self.shared):
+            store.close()
         if self.progress:
             self.progress.close()
 
@@ -840,8 +950,8 @@ class Job:
 class _Background(threading.Thread):
     """Runs ``fn(*args)`` on a thread; ``join()`` re-raises what it raised."""
 
-    def __init__(self, fn: Callable[..., None], *args: Any) -> None:
-        super().__init__(name="peerstate-roll-back", daemon=True)
+    def __init__(self, fn: Callable[..., None], *args: Any, name: str = "peerstate-roll-back") -> None:
+        super().__init__(name=name, daemon=True)
         self._fn, self._args = fn, args
         self._error: Optional[BaseException] = None
         self.start()

@@ -17,14 +17,15 @@ k), the placement says so loudly: a warning by default, an error with
 
 Replica groups (ranks whose state is identical, e.g. data-parallel replicas)
 need no buddies: each member is a source for the others, with no replication
-traffic and no extra memory.
+traffic and no extra memory. ``DataParallelShares`` says how much of that
+identical state each rank snapshots.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from peerstate.errors import InvalidArgumentError
 
@@ -200,3 +201,75 @@ class BuddyPlacement:
         """The ranks among ``dead`` whose state has no surviving copy."""
         dead_set = set(dead)
         return [r for r in sorted(dead_set) if all(s in dead_set for s in self.sources(r))]
+
+
+class DataParallelShares:
+    """Which share of the data-parallel state (the same on every rank) each rank
+    snapshots.
+
+    Every rank trains with all of that state, but copying all of it at every step
+    on every rank makes as many snapshots as ranks, where one per failure domain
+    is the redundancy. So the state is cut into ``count`` shares of equal bytes
+    (``split``), and the rank with index i on its node snapshots share ``i % count``:
+    each node keeps ``ranks_per_node / count`` full copies, and a job of N nodes
+    N times that. ``count=1`` is a full copy on every rank.
+
+    The price is paid at recovery: a rank that rolls back restores its own share
+    from its memory and pulls the others, from its node's ranks while they live,
+    else from another node; a replacement pulls every share.
+
+    Args:
+        node_of_rank: the node id of each rank (index = rank).
+        count: number of shares, at most the ranks of the smallest node; more than
+            one needs two nodes at least (one node holds one copy of each share).
+    """
+
+    def __init__(self, node_of_rank: Sequence[Hashable], count: int) -> None:
+        ranks_by_node: "OrderedDict[Hashable, List[int]]" = OrderedDict()
+        for rank, node in enumerate(node_of_rank):
+            ranks_by_node.setdefault(node, []).append(rank)
+        smallest = min((len(ranks) for ranks in ranks_by_node.values()), default=0)
+        if not 1 <= count <= max(smallest, 1):
+            raise InvalidArgumentError(f"data-parallel shares must be between 1 and the ranks of the smallest node "
+                                       f"({smallest}), got {count}: each node must hold every share")
+        if count > 1 and len(ranks_by_node) < 2:
+            raise InvalidArgumentError(f"{count} data-parallel shares on one node would keep one copy of each: a "
+                                       "rank's death would lose its share. Use 1 share (a full copy per rank)")
+        self.count = count
+        self._share_of = [0] * len(node_of_rank)
+        for ranks in ranks_by_node.values():
+            for index, rank in enumerate(ranks):
+                self._share_of[rank] = index % count
+
+    def share_of(self, rank: int) -> int:
+        """The share ``rank`` snapshots."""
+        return self._share_of[rank]
+
+    def holders(self, share: int) -> List[int]:
+        """The ranks that snapshot ``share``."""
+        return [r for r, s in enumerate(self._share_of) if s == share]
+
+    def split(self, nbytes: Sequence[int], alignment: int = 4096) -> List[List[Tuple[int, int, int]]]:
+        """How to cut items of sizes ``nbytes`` (in order, as if laid end to end) into
+        the shares: equal parts of the whole, a cut inside an item moved down to a
+        multiple of ``alignment`` bytes (a multiple of any element size). Returns, per
+        item, its pieces as (share, start byte, end byte). Deterministic, so every
+        rank cuts the same tensors the same way; one large tensor is split too."""
+        total = sum(nbytes)
+        ends = [total * (share + 1) // self.count for share in range(self.count)]
+        pieces, position = [], 0
+        for size in nbytes:
+            share = min(sum(1 for end in ends if end <= position), self.count - 1)
+            item, start = [], 0
+            for cut_share, end in enumerate(ends[:-1]):
+                if not position < end < position + size:
+                    continue
+                cut = (end - position) // alignment * alignment
+                if cut > start:
+                    item.append((share, start, cut))
+                    start = cut
+                share = cut_share + 1
+            item.append((share, start, size))
+            pieces.append(item)
+            position += size
+        return pieces

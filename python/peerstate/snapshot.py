@@ -88,7 +88,8 @@ class SnapshotStore:
 
     # -- registration ---------------------------------------------------------------
     def register(self, name: str, obj: Any) -> None:
-        """Register one tensor/array/buffer under ``name`` (replacing a previous one)."""
+        """Register one tensor/array/buffer (or a ``ByteRange`` of one) under ``name``
+        (replacing a previous one)."""
         self.register_many({name: obj})
 
     def register_many(self, buffers: Mapping[str, Any]) -> None:
@@ -133,7 +134,8 @@ class SnapshotStore:
         return [n for n in self._buffers if n != OBJECTS_BUFFER] + list(self._objects)
 
     def owners(self) -> Dict[str, Any]:
-        """name -> the registered tensor/array itself (not the objects buffer)."""
+        """name -> the registered tensor/array itself (not the objects buffer; the whole
+        of it for a ByteRange)."""
         return {n: b.owner for n, b in self._buffers.items() if n != OBJECTS_BUFFER}
 
     def capture_objects(self) -> Dict[str, Any]:
@@ -314,7 +316,7 @@ class _CheckBatch:
         fast = [isinstance(b.owner, tensor) and b.nbytes > 0 for _, b in named]
         self._data_ptr = torch.Tensor.data_ptr if any(fast) else None
         self._tensors = [b.owner for (_, b), f in zip(named, fast) if f]
-        self._pointers = [b.ptr for (_, b), f in zip(named, fast) if f]
+        self._pointers = [b.ptr - b.offset for (_, b), f in zip(named, fast) if f]
         self._others = [item for item, f in zip(named, fast) if not f]
 
     def check(self) -> None:

@@ -16,7 +16,7 @@ replacement receives the failed rank's.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from peerstate.snapshot import SnapshotStore
 
@@ -32,18 +32,33 @@ def register_training_state(
     Names are ``{prefix}model/{key}``, ``{prefix}optimizer/state/{index}/{key}``
     and ``{prefix}optimizer/param_groups``. Returns the names registered.
     """
+    tensors, objects = training_state(model, optimizer, prefix)
+    store.register_many(tensors)
+    for name, (get, set_) in objects.items():
+        store.register_object(name, get, set_)
+    return [*tensors, *objects]
+
+
+def training_state(
+    model: Optional[Any] = None,
+    optimizer: Optional[Any] = None,
+    prefix: str = "",
+) -> Tuple[Dict[str, Any], Dict[str, Tuple[Callable[[], Any], Callable[[Any], None]]]]:
+    """What ``register_training_state`` registers: name -> live tensor, and name ->
+    (get, set) of the eager Python state, for a caller that spreads them over
+    several stores."""
     import torch
 
     def local(value: Any) -> Any:
         # A DTensor's to_local() is its live local shard (same storage).
         return value.to_local() if hasattr(value, "to_local") and hasattr(value, "device_mesh") else value
 
-    tensors = {}
+    tensors: Dict[str, Any] = {}
+    objects: Dict[str, Tuple[Callable[[], Any], Callable[[Any], None]]] = {}
     if model is not None:
         for key, value in model.state_dict().items():
             if isinstance(value, torch.Tensor):
                 tensors[f"{prefix}model/{key}"] = local(value)
-    names = list(tensors)
     if optimizer is not None:
         # Index the live state by the parameters' positions, as state_dict() does,
         # but keep references to the live tensors rather than to a packed copy.
@@ -56,7 +71,6 @@ def register_training_state(
                     tensors[name] = local(value)
                 else:
                     scalars[(index, key)] = value
-        names = list(tensors)
 
         def get_groups() -> Any:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -70,8 +84,5 @@ def register_training_state(
             for (i, k), v in state.items():
                 optimizer.state[params[i]][k] = v
 
-    store.register_many(tensors)
-    if optimizer is not None:
-        store.register_object(f"{prefix}optimizer/param_groups", get_groups, set_groups)
-        names.append(f"{prefix}optimizer/param_groups")
-    return names
+        objects[f"{prefix}optimizer/param_groups"] = (get_groups, set_groups)
+    return tensors, objects
