@@ -103,7 +103,9 @@ def main() -> None:
               f"{summary['overhead_percent']:>+30.2f}%{summary['spread_percent']:>6.2f}%"
               f"{summary['min_percent']:>+8.2f}%{summary['max_percent']:>+8.2f}%")
     print(f"({wall['pairs']} block pairs, {result['steps']} steps)")
-    path = RESULTS.with_name(f"overhead_shares{args.data_parallel_shares}.json") if args.data_parallel_shares else RESULTS
+    path = RESULTS
+    if args.data_parallel_shares:
+        path = RESULTS.with_name(f"overhead_shares{args.data_parallel_shares}.json")
     path.parent.mkdir(exist_ok=True)
     rows = [{"case": f"every-step snapshot + replication, {measure}", "ours_s": summary["capture_on_s"],
              "limit_s": summary["capture_off_s"], "ratio": summary["capture_on_s"] / summary["capture_off_s"]}

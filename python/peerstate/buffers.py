@@ -2,9 +2,9 @@
 
 Supported: ``torch.Tensor`` (CPU or CUDA), ``numpy.ndarray``, any object with
 ``__cuda_array_interface__`` (cupy), and writable objects with the buffer
-protocol (``bytearray``, ``memoryview``); ``ByteRange`` names a part of one. Memory must be contiguous and
-writable, since a restore writes into it. torch and numpy are only imported
-when such an object is passed.
+protocol (``bytearray``, ``memoryview``); ``ByteRange`` names a part of one.
+Memory must be contiguous and writable, since a restore writes into it. torch
+and numpy are only imported when such an object is passed.
 """
 
 from __future__ import annotations
