@@ -131,7 +131,8 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
     rows.append({"phase": "kill to first step", "ours_s": ours_total, "baseline_s": base_total,
                  "speedup": base_total / ours_total})
     for row in rows:
-        row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat, data_parallel_shares=shares or 2,
+        row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat,
+                   data_parallel_shares=shares or 2,  # the Job's default here: one per worker of a node
                    state_from="buddies (replicated)" if replicated else "surviving ranks (data_parallel)")
     rows.append({"phase": "each run", "runs": [
         {"ours_s": o["total_s"], "baseline_s": b["total_s"], "speedup": b["total_s"] / o["total_s"],

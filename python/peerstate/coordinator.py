@@ -173,7 +173,8 @@ def _assignment(epoch: int, rank: int) -> bytes:
 def same_node_regions(worker: str, version: int, sources: List[int],
                       reports: Mapping[int, MemberReport]) -> Dict[int, Tuple[int, int]]:
     """source -> (pid, address of ``version``'s data-parallel region) for the sources
-    on ``worker``'s node: a replacement reads those straight from their memory."""
+    on ``worker``'s node: a member pulling a data-parallel share reads those straight
+    from their memory."""
     node = node_of_worker(worker)
     return {s: (reports[s].pid, reports[s].shared_regions[version]) for s in sources
             if node_of_worker(reports[s].worker) == node and reports[s].pid
