@@ -164,6 +164,16 @@ def test_what_cannot_be_read_from_memory_comes_over_tcp(wrong):
         assert reply["chunks_from_memory"] == 0
 
 
+def test_a_version_pulled_again_replaces_the_copy_pulled_before():
+    # A recovery superseded after its pull (a second failure) pulls the same recovery
+    # point again in the next epoch, into a store that already committed it.
+    with Cluster(["a", "b"], k=1, groups=[[0, 1]], state_rank=0, **SMALL) as cluster:
+        replacement, digest = _replica_group_with_a_replacement(cluster)
+        for _ in range(2):
+            reply = replacement.call("recover", rank=0, version=3, sources=[1])
+            assert reply["ok"] and reply["version"] == 3 and reply["digest"] == digest, reply
+
+
 def test_replica_group_pulls_from_peers_with_no_replication_traffic():
     # Ranks 0 and 1 are data-parallel replicas (identical state) on different nodes.
     nodes = ["a", "b"]

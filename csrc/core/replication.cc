@@ -89,6 +89,7 @@ Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version,
     return only_not_found ? Status(StatusCode::kNotFound, "no source holds " + what + failures)
                           : Status(StatusCode::kConnectionError, "pull of " + what + " failed: no source left" + failures);
   unsigned char* region = nullptr;
+  PEERSTATE_RETURN_IF_ERROR(store_->drop_newer(meta.version - 1));
   PEERSTATE_RETURN_IF_ERROR(store_->begin_receive(meta.version, meta.layout, &region));
   ChunkQueue queue(meta.layout->chunks.size());
   std::vector<Status> results(sources.size());

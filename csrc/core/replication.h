@@ -73,6 +73,9 @@ class Replicator {
   // source has it; kConnectionError, naming each source's failure, when the
   // sources died before every chunk arrived. Sources with a pid and region are
   // read first, all at once; the transport then carries what is left, if any.
+  // The pulled version replaces any copy of it, and any newer version, that the
+  // local store holds: a recovery superseded after its pull pulls the same
+  // version again in the next epoch.
   // `stats` (optional) receives how many chunks came, and how many of them that way.
   Status pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled,
               PullStats* stats = nullptr);

@@ -178,8 +178,8 @@ class Replicator:
     def wait(self, version: int) -> List[Tuple[int, Optional[Error]]]: ...
     def in_flight_version(self) -> Optional[int]: ...
     def pull(self, sources: List[Tuple[int, ...]], version: int = -1) -> Tuple[int, int, int]:
-        """(peer, whose state[, pid, region]) sources; lands a committed version in the store;
-        returns (that version, its chunks, those read from same-machine memory). With pid
+        """(peer, whose state[, pid, region]) sources; lands a committed version in the store,
+        replacing the store's copy of that version and any newer one; returns (that version, its chunks, those read from same-machine memory). With pid
         and region (a holder on this machine, region_address() there, for `version` itself),
         chunks are read from that process's memory first; the transport carries whatever
         that could not provide (not permitted, process gone, bad checksum)."""

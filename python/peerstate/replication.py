@@ -129,7 +129,8 @@ class Replication:
     def pull(self, rank: int, version: int = -1, sources: Optional[List[int]] = None,
              same_machine: Optional[Dict[int, Tuple[int, int]]] = None) -> int:
         """Fetch ``rank``'s state (``version``, or the newest its first source has) from its
-        sources, chunks split among them, into this rank's store as a committed version.
+        sources, chunks split among them, into this rank's store as a committed version
+        (replacing the store's copy of it, and any newer version, if it has one).
         Does not restore it. Returns the version.
 
         ``same_machine``: source -> (pid, region address of ``version`` there) for sources
