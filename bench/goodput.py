@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from peerstate import goodput
+from peerstate.tools import goodput
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from peerstate.local import LocalJob
+from peerstate.tools.local import LocalJob
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "overhead.json"

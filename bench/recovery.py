@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from peerstate.local import LocalJob, kill_all, start_plain_workers, wait_until
+from peerstate.tools.local import LocalJob, kill_all, start_plain_workers, wait_until
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "recovery_job.py"

@@ -4,8 +4,8 @@
 
 #include <pybind11/pybind11.h>
 
-#include "core/status.h"
-#include "core/wire.h"
+#include "common/status.h"
+#include "store/version_meta.h"
 
 namespace peerstate::bindings {
 
@@ -48,6 +48,9 @@ pybind11::dict meta_dict(const VersionMeta& meta);
 
 void bind_errors(pybind11::module_& m);
 void bind_snapshot(pybind11::module_& m);
+void bind_net(pybind11::module_& m);
 void bind_replication(pybind11::module_& m);
+void bind_device(pybind11::module_& m);
+void bind_testing(pybind11::module_& m);
 
 }  // namespace peerstate::bindings

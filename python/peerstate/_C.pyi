@@ -21,8 +21,24 @@ class ProtocolError(Error): ...
 class OutOfMemoryError(Error, MemoryError): ...
 class InternalError(Error): ...
 
+# (value, code, exception name, builtin base or "", doc) for every status code but
+# kOk: the one table of csrc/common/status.h, which the classes above follow.
+status_codes: List[Tuple[int, str, str, str, str]]
+
+class BufferRegistration:
+    """One buffer to register: `pointer` to `nbytes` of memory on `device` (-1: host);
+    `dtype` is a tag compared on restore, never parsed. The memory stays the caller's."""
+
+    def __init__(self, name: str, pointer: int, nbytes: int, device: int = -1, dtype: str = "") -> None: ...
+    name: str
+    pointer: int
+    nbytes: int
+    device: int
+    dtype: str
+
 class SnapshotStore:
-    """Versioned, checksummed copies of registered buffers (see csrc/core/snapshot_store.h).
+    """Versioned, checksummed copies of registered buffers (see csrc/store/snapshot_store.h).
+    Every store of a process with the same `threads` copies on one shared thread pool.
 
     Mutating calls must come from one thread at a time. Registered memory is
     the caller's and must stay valid until unregistered or closed.
@@ -37,9 +53,8 @@ class SnapshotStore:
         budget_bytes: int = 0,
         checksums: bool = True,
     ) -> None: ...
-    def register_buffers(self, buffers: List[Tuple[Any, ...]]) -> None:
-        """Add or replace (name, pointer, nbytes, device[, dtype]) buffers, all or
-        nothing; device -1 is host memory; dtype is a tag compared on restore.
+    def register_buffers(self, buffers: List[BufferRegistration]) -> None:
+        """Add or replace buffers, all or nothing.
         Raises BusyError while a version is in flight, BudgetExceededError,
         UnavailableError for device memory without CUDA."""
     def unregister(self, names: List[str]) -> None: ...
@@ -102,7 +117,7 @@ def measure_parallel_memcpy(
 
 class ReplicaStore:
     """The buddies' snapshots held here: per source rank, the committed version and at
-    most one incoming one (see csrc/core/replica_store.h). Thread-safe."""
+    most one incoming one (see csrc/store/replica_store.h). Thread-safe."""
 
     def __init__(self, *, budget_bytes: int = 0, device: int = -1) -> None:
         """device -1: host memory; a CUDA index: device memory (explicit budget needed)."""
@@ -123,9 +138,10 @@ class ReplicaStore:
         """A copy of the committed replica's region."""
 
 class TcpServer:
-    """Serves pushes into `replicas` and pulls from them or from `own_store`, after a
-    mutual HMAC-SHA256 handshake on the job secret. Binds `host` (loopback by
-    default). Hostile peers get their connection closed and a log line on stderr."""
+    """Serves pushes into `replicas` and pulls from them or from this rank's own stores
+    (`own_store` is store 0; `serve` adds more), after a mutual HMAC-SHA256 handshake
+    on the job secret. Binds `host` (loopback by default). Hostile peers get their
+    connection closed and a log line on stderr (see csrc/net/tcp_server.h)."""
 
     def __init__(
         self,
@@ -138,6 +154,8 @@ class TcpServer:
         port: int = 0,
         io_timeout_ms: int = 30000,
     ) -> None: ...
+    def serve(self, index: int, store: SnapshotStore) -> None:
+        """Serve pulls of this rank's state kept in `store` as store `index` (>= 1, unused)."""
     @property
     def port(self) -> int: ...
     def stop(self) -> None: ...
@@ -145,13 +163,14 @@ class TcpServer:
         """{accepted, rejected, active} connections."""
 
 class Transport:
-    """One transport interface (csrc/core/transport.h): blocking, GIL released."""
+    """One transport interface (csrc/net/transport.h): blocking, GIL released."""
 
     @property
     def name(self) -> str: ...
     def abort(self) -> None:
         """Fail every pending and later call with AbortedError, promptly."""
-    def describe(self, peer: int, source_rank: int, version: int) -> Dict[str, Any]: ...
+    def describe(self, peer: int, source_rank: int, version: int, store: int = 0) -> Dict[str, Any]:
+        """The metadata of (source_rank, version; -1 newest) held in the peer's store `store`."""
     def send_region(self, peer: int, meta: Dict[str, Any], region: int, source_rank: int = -1) -> None:
         """Send every chunk of the version `meta` describes, read from `region`."""
     def receive_region(self, peer: int, meta: Dict[str, Any], region: int, source_rank: int = -1) -> None:
@@ -177,12 +196,24 @@ class Replicator:
     def replicate(self, version: int, holders: List[int]) -> None: ...
     def wait(self, version: int) -> List[Tuple[int, Optional[Error]]]: ...
     def in_flight_version(self) -> Optional[int]: ...
-    def pull(self, sources: List[Tuple[int, ...]], version: int = -1) -> Tuple[int, int, int]:
-        """(peer, whose state[, pid, region]) sources; lands a committed version in the store,
-        replacing the store's copy of that version and any newer one; returns (that version, its chunks, those read from same-machine memory). With pid
-        and region (a holder on this machine, region_address() there, for `version` itself),
-        chunks are read from that process's memory first; the transport carries whatever
-        that could not provide (not permitted, process gone, bad checksum)."""
+    def pull(self, sources: List[PullSource], version: int = -1) -> Tuple[int, int, int]:
+        """Lands a committed version in the store, replacing the store's copy of that version
+        and any newer one; returns (that version, its chunks, those read from same-machine
+        memory). Sources with pid and region are read from that process's memory first; the
+        transport carries whatever that could not provide (not permitted, process gone, bad
+        checksum)."""
+
+class PullSource:
+    """A peer to pull from: whose state (`rank`) to ask it for, from which of its stores
+    (0: a replica or its own state; 1 + s: its data-parallel share s), and, for a peer on
+    this machine, its `pid` and the `region` address of the version there."""
+
+    def __init__(self, peer: int, rank: int, *, store: int = 0, pid: int = 0, region: int = 0) -> None: ...
+    peer: int
+    rank: int
+    store: int
+    pid: int
+    region: int
 
 def hmac_sha256(key: bytes, data: bytes) -> bytes: ...
 def nccl_load() -> Dict[str, Any]:

@@ -6,14 +6,14 @@ stay in their processes. ``import peerstate`` needs no GPU, CUDA, torch or numpy
 """
 
 from peerstate import _C
-from peerstate.buffers import ByteRange
+from peerstate.state.buffers import ByteRange
 from peerstate.errors import *  # noqa: F401,F403
 from peerstate.errors import __all__ as _error_names
-from peerstate.placement import BuddyPlacement, DataParallelShares, PlacementWarning
-from peerstate.job import Job
-from peerstate.replication import Replication
-from peerstate.snapshot import SnapshotHandle, SnapshotStore
-from peerstate.state_dict import register_training_state
+from peerstate.replication.placement import BuddyPlacement, DataParallelShares, PlacementWarning
+from peerstate.worker.job import Job
+from peerstate.replication.endpoint import Replication
+from peerstate.state.snapshot import SnapshotHandle, SnapshotStore
+from peerstate.state.training_state import register_training_state
 
 __version__ = "0.1.0"
 

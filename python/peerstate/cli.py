@@ -9,7 +9,7 @@ from typing import List, Optional
 
 
 def _run(args: argparse.Namespace) -> int:
-    from peerstate.agent import Agent, AgentConfig
+    from peerstate.launcher.agent import Agent, AgentConfig
     from peerstate.errors import Error
 
     if args.store is None:
@@ -37,7 +37,7 @@ def _goodput(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from peerstate import goodput
+    from peerstate.tools import goodput
 
     fields = goodput.GoodputInputs.__dataclass_fields__
     overrides = {name: getattr(args, name) for name in fields}
@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(handler=_run)
 
-    from peerstate.goodput import DEFAULT_SIZES, GoodputInputs
+    from peerstate.tools.goodput import DEFAULT_SIZES, GoodputInputs
 
     model = commands.add_parser(
         "goodput", help="expected goodput vs cluster size: checkpoint-restart, in-memory restart, peerstate",

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from peerstate.local import LocalJob, kill_all, start_plain_workers
+from peerstate.tools.local import LocalJob, kill_all, start_plain_workers
 
 TRAIN = Path(__file__).with_name("train.py")
 

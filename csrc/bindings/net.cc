@@ -1,0 +1,119 @@
+// Bindings for the tcp transport: server, transports, and raw region moves
+// for tests and benchmarks. Types in, GIL released, errors out.
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "bindings/common.h"
+#include "net/tcp_server.h"
+#include "net/tcp_transport.h"
+
+namespace py = pybind11;
+
+namespace peerstate::bindings {
+namespace {
+
+// The inverse of meta_dict / SnapshotStore.version_info (offsets are recomputed, not trusted).
+VersionMeta meta_from_dict(const py::dict& d, int source_rank) {
+  VersionMeta meta;
+  meta.source_rank = d.contains("source_rank") ? d["source_rank"].cast<int>() : source_rank;
+  meta.version = d["version"].cast<int64_t>();
+  meta.chunk_bytes = d["chunk_bytes"].cast<size_t>();
+  for (const auto& item : d["buffers"]) {
+    auto t = item.cast<py::tuple>();
+    BufferPlacement b;
+    b.name = t[0].cast<std::string>();
+    b.nbytes = t[1].cast<size_t>();
+    b.device = t[2].cast<int>();
+    if (t.size() > 4) b.dtype = t[4].cast<std::string>();
+    meta.buffers.push_back(b);
+  }
+  meta.checksums = d["checksums"].cast<std::vector<uint32_t>>();
+  raise_if_error(finish_meta(&meta));
+  return meta;
+}
+
+Status move_region(Transport& t, int peer, VersionMeta meta, uintptr_t region, bool sending) {
+  ChunkQueue queue(meta.layout->chunks.size());
+  TransferPlan plan{std::move(meta), reinterpret_cast<unsigned char*>(region), &queue};
+  Status st = sending ? t.send(peer, plan) : t.receive(peer, plan);
+  if (st.ok() && !queue.finished()) return Status(StatusCode::kInternal, "transfer ended with chunks missing");
+  return st;
+}
+
+TcpOptions tcp_options(const py::bytes& secret, int rank, size_t connections, long connect_timeout_ms,
+                       long io_timeout_ms) {
+  TcpOptions o;
+  o.secret = secret;
+  o.rank = rank;
+  o.connections_per_peer = connections;
+  o.connect_timeout_ms = connect_timeout_ms;
+  o.io_timeout_ms = io_timeout_ms;
+  return o;
+}
+
+}  // namespace
+
+void bind_net(py::module_& m) {
+  py::class_<TcpServer, std::unique_ptr<TcpServer, ReleaseGilDeleter>>(m, "TcpServer")
+      .def(py::init([](ReplicaStore* replicas, SnapshotStore* own, const py::bytes& secret, int rank,
+                       const std::string& host, int port, long io_timeout_ms) {
+             std::unique_ptr<TcpServer> server;
+             TcpOptions o = tcp_options(secret, rank, 1, 5000, io_timeout_ms);
+             call_without_gil([&] { return TcpServer::start(o, host, port, replicas, own, &server); });
+             return std::unique_ptr<TcpServer, ReleaseGilDeleter>(server.release());
+           }),
+           py::arg("replicas"), py::arg("own_store").none(true), py::kw_only(), py::arg("secret"),
+           py::arg("rank"), py::arg("host") = "127.0.0.1", py::arg("port") = 0, py::arg("io_timeout_ms") = 30000,
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def("serve", [](TcpServer& s, uint32_t index, SnapshotStore* store) { raise_if_error(s.serve(index, store)); },
+           py::arg("index"), py::arg("store"), py::keep_alive<1, 3>())
+      .def_property_readonly("port", &TcpServer::port)
+      .def("stop", [](TcpServer& s) { call_without_gil([&] { s.stop(); return Status::Ok(); }); })
+      .def("stats", [](const TcpServer& s) {
+        TcpServerStats st = s.stats();
+        py::dict d;
+        d["accepted"] = st.accepted;
+        d["rejected"] = st.rejected;
+        d["active"] = st.active;
+        return d;
+      });
+
+  py::class_<Transport, std::unique_ptr<Transport, ReleaseGilDeleter>>(m, "Transport")
+      .def_property_readonly("name", &Transport::name)
+      .def("abort", [](Transport& t) { call_without_gil([&] { t.abort(); return Status::Ok(); }); })
+      .def("send_region",
+           [](Transport& t, int peer, const py::dict& meta, uintptr_t region, int source_rank) {
+             VersionMeta m = meta_from_dict(meta, source_rank);
+             call_without_gil([&] { return move_region(t, peer, std::move(m), region, true); });
+           },
+           py::arg("peer"), py::arg("meta"), py::arg("region"), py::arg("source_rank") = -1)
+      .def("receive_region",
+           [](Transport& t, int peer, const py::dict& meta, uintptr_t region, int source_rank) {
+             VersionMeta m = meta_from_dict(meta, source_rank);
+             call_without_gil([&] { return move_region(t, peer, std::move(m), region, false); });
+           },
+           py::arg("peer"), py::arg("meta"), py::arg("region"), py::arg("source_rank") = -1)
+      .def("describe",
+           [](Transport& t, int peer, int source_rank, int64_t version, uint32_t store) {
+             VersionMeta meta;
+             call_without_gil([&] { return t.describe(peer, source_rank, version, store, &meta); });
+             return meta_dict(meta);
+           },
+           py::arg("peer"), py::arg("source_rank"), py::arg("version"), py::arg("store") = 0);
+
+  py::class_<TcpTransport, Transport, std::unique_ptr<TcpTransport, ReleaseGilDeleter>>(m, "TcpTransport")
+      .def(py::init([](const py::bytes& secret, int rank, size_t connections_per_peer, long connect_timeout_ms,
+                       long io_timeout_ms) {
+             std::unique_ptr<TcpTransport> t;
+             raise_if_error(TcpTransport::create(
+                 tcp_options(secret, rank, connections_per_peer, connect_timeout_ms, io_timeout_ms), &t));
+             return std::unique_ptr<TcpTransport, ReleaseGilDeleter>(t.release());
+           }),
+           py::kw_only(), py::arg("secret"), py::arg("rank"), py::arg("connections_per_peer") = 4,
+           py::arg("connect_timeout_ms") = 5000, py::arg("io_timeout_ms") = 30000)
+      .def("add_peer", &TcpTransport::add_peer);
+}
+
+}  // namespace peerstate::bindings

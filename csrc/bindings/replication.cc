@@ -1,0 +1,91 @@
+// Bindings for replication: the replica store and the replicator. Types in,
+// GIL released, errors out.
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "bindings/common.h"
+#include "replication/replicator.h"
+#include "store/replica_store.h"
+
+namespace py = pybind11;
+
+namespace peerstate::bindings {
+
+void bind_replication(py::module_& m) {
+  py::class_<ReplicaStore, std::unique_ptr<ReplicaStore, ReleaseGilDeleter>>(m, "ReplicaStore")
+      .def(py::init([](size_t budget_bytes, int device) {
+             std::unique_ptr<ReplicaStore> store;
+             raise_if_error(ReplicaStore::create(budget_bytes, device, &store));
+             return std::unique_ptr<ReplicaStore, ReleaseGilDeleter>(store.release());
+           }),
+           py::kw_only(), py::arg("budget_bytes") = 0, py::arg("device") = -1)
+      .def_property_readonly("device", &ReplicaStore::device)
+      .def("reserve", [](ReplicaStore& r, int source_rank, size_t bytes_per_version) {
+        call_without_gil([&] { return r.reserve(source_rank, bytes_per_version); });  // allocates and faults in
+      })
+      .def("committed", &ReplicaStore::committed)
+      .def("drop_newer", &ReplicaStore::drop_newer, py::arg("version"))
+      .def("held_bytes", &ReplicaStore::held_bytes)
+      .def("reserved_bytes", &ReplicaStore::reserved_bytes)
+      .def_property_readonly("budget_bytes", &ReplicaStore::budget_bytes)
+      .def("info", [](const ReplicaStore& r, int source_rank) {
+        std::shared_ptr<const ReplicaVersion> v;
+        raise_if_error(r.get(source_rank, -1, &v));
+        return meta_dict(v->meta);
+      })
+      .def("stored_bytes", [](const ReplicaStore& r, int source_rank) {
+        std::shared_ptr<const ReplicaVersion> v;
+        raise_if_error(r.get(source_rank, -1, &v));
+        // A copy: the committed replica may be replaced while Python holds the result.
+        const size_t n = v->meta.layout->region_bytes;
+        if (v->region.device() == kHostDevice) return py::bytes(reinterpret_cast<const char*>(v->region.data()), n);
+        std::string host(n, '\0');
+        DeviceCopy copy{host.data(), v->region.data(), n};
+        call_without_gil([&] { return r.engine()->to_host(v->region.device(), &copy, 1); });
+        return py::bytes(host);
+      });
+
+  py::class_<PullSource>(m, "PullSource")
+      .def(py::init([](int peer, int rank, uint32_t store, int pid, uintptr_t region) {
+             return PullSource{peer, rank, store, pid, region};
+           }),
+           py::arg("peer"), py::arg("rank"), py::kw_only(), py::arg("store") = 0, py::arg("pid") = 0,
+           py::arg("region") = 0)
+      .def_readonly("peer", &PullSource::peer)
+      .def_readonly("rank", &PullSource::rank)
+      .def_readonly("store", &PullSource::store)
+      .def_readonly("pid", &PullSource::pid)
+      .def_readonly("region", &PullSource::region);
+
+  py::class_<Replicator, std::unique_ptr<Replicator, ReleaseGilDeleter>>(m, "Replicator")
+      .def(py::init([](SnapshotStore* store, Transport* transport, int rank) {
+             return std::unique_ptr<Replicator, ReleaseGilDeleter>(new Replicator(store, transport, rank));
+           }),
+           py::arg("store"), py::arg("transport"), py::arg("rank"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def("replicate", [](Replicator& r, int64_t version, const std::vector<int>& holders) {
+        call_without_gil([&] { return r.replicate(version, holders); });
+      })
+      .def("wait", [](Replicator& r, int64_t version) {
+        std::vector<HolderResult> results;
+        call_without_gil([&] { return r.wait(version, &results); });
+        py::list out;
+        for (const HolderResult& h : results) out.append(py::make_tuple(h.holder, exception_object(h.status)));
+        return out;
+      })
+      .def("in_flight_version", [](const Replicator& r) -> py::object {
+        int64_t v = r.in_flight_version();
+        return v < 0 ? py::none() : py::cast(v);
+      })
+      .def("pull",
+           [](Replicator& r, const std::vector<PullSource>& sources, int64_t version) {
+             int64_t pulled = -1;
+             PullStats stats;
+             call_without_gil([&] { return r.pull(sources, version, &pulled, &stats); });
+             return py::make_tuple(pulled, stats.chunks, stats.chunks_from_memory);
+           },
+           py::arg("sources"), py::arg("version") = -1);
+}
+
+}  // namespace peerstate::bindings

@@ -1,0 +1,60 @@
+// Bindings for the core's utilities that tests and benchmarks measure or
+// check directly: checksums, the HMAC, the parallel copy. Not used by the package.
+#include <pybind11/stl.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings/common.h"
+#include "common/crc32c.h"
+#include "common/parallel_copy.h"
+#include "common/sha256.h"
+#include "common/thread_pool.h"
+
+namespace py = pybind11;
+
+namespace peerstate::bindings {
+namespace {
+
+Crc32cImplementation parse_implementation(const std::string& name) {
+  if (name == "auto") return Crc32cImplementation::kAuto;
+  if (name == "hardware") return Crc32cImplementation::kHardware;
+  if (name == "software") return Crc32cImplementation::kSoftware;
+  raise_if_error(Status(StatusCode::kInvalidArgument,
+                        "implementation must be 'auto', 'hardware' or 'software' (got '" + name + "')"));
+  return Crc32cImplementation::kAuto;
+}
+
+}  // namespace
+
+void bind_testing(py::module_& m) {
+  m.def("crc32c",
+        [](py::buffer data, uint32_t crc, const std::string& implementation) {
+          Crc32cImplementation impl = parse_implementation(implementation);
+          py::buffer_info info = data.request();
+          size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+          py::gil_scoped_release release;
+          return crc32c_extend(crc, info.ptr, nbytes, impl);
+        },
+        py::arg("data"), py::arg("crc") = 0, py::arg("implementation") = "auto");
+  m.def("crc32c_hardware_available", &crc32c_hardware_available);
+  m.def("available_cores", &available_cores);
+  m.def("measure_parallel_memcpy",
+        [](const std::vector<std::pair<uintptr_t, size_t>>& sources, size_t threads, size_t repeats,
+           bool streaming) {
+          std::vector<std::pair<const void*, size_t>> src;
+          for (const auto& [ptr, n] : sources) src.emplace_back(reinterpret_cast<const void*>(ptr), n);
+          double best = 0;
+          call_without_gil([&] { return measure_parallel_memcpy(src, threads, repeats, streaming, &best); });
+          return best;
+        },
+        py::arg("sources"), py::arg("threads"), py::arg("repeats") = 3, py::arg("streaming") = false);
+  m.def("hmac_sha256", [](const py::bytes& key, const py::bytes& data) {
+    std::string k = key, d = data;
+    Digest out = hmac_sha256(k.data(), k.size(), d.data(), d.size());
+    return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+  });
+}
+
+}  // namespace peerstate::bindings

@@ -1,0 +1,74 @@
+// Sockets with deadlines, for the tcp transport.
+//
+// Every blocking call takes a deadline and returns kTimeout when it passes;
+// kConnectionError when the peer closes or resets. A socket may watch a
+// CancelSignal: firing it makes every call blocked on the socket (connect
+// included) return kAborted at once, which is how a transport aborts.
+// shutdown() wakes calls blocked on a connected socket, from any thread.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+#include "common/deadline.h"
+#include "common/status.h"
+
+namespace peerstate {
+
+// A one-shot, thread-safe "stop waiting" flag that poll() can watch (an eventfd).
+class CancelSignal {
+ public:
+  CancelSignal();
+  ~CancelSignal();
+  CancelSignal(const CancelSignal&) = delete;
+  CancelSignal& operator=(const CancelSignal&) = delete;
+  void fire();
+  int fd() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) : fd_(fd) {}
+  ~Socket() { close(); }
+  Socket(Socket&& other) noexcept : fd_(other.fd_), cancel_fd_(other.cancel_fd_) { other.fd_ = -1; }
+  Socket& operator=(Socket&& other) noexcept;
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+
+  bool valid() const { return fd_ >= 0; }
+  // Blocking calls also return (kAborted) when `cancel` fires. It must outlive the socket.
+  void watch(const CancelSignal& cancel) { cancel_fd_ = cancel.fd(); }
+  int fd() const { return fd_; }
+  // Peer address as "host:port" (for log lines).
+  std::string peer_name() const;
+
+  Status send_all(const void* data, size_t nbytes, Deadline deadline);
+  Status recv_all(void* data, size_t nbytes, Deadline deadline);
+  // Receives between 1 and `max` bytes (what has arrived), waiting for the first.
+  Status recv_some(void* data, size_t max, size_t* got, Deadline deadline);
+
+  void shutdown();  // thread-safe; wakes blocked callers
+  void close();
+
+ private:
+  friend Status connect_to(const std::string&, int, Deadline, Socket*, const CancelSignal*);
+  int fd_ = -1;
+  int cancel_fd_ = -1;
+};
+
+// Binds host:port (port 0 picks a free one) and listens. `bound_port` gets the port.
+Status listen_on(const std::string& host, int port, Socket* out, int* bound_port);
+// Waits for one connection on `listener` until the deadline.
+Status accept_from(Socket& listener, Deadline deadline, Socket* out);
+// Connects; `cancel` (optional) aborts the wait and is watched by the new socket.
+Status connect_to(const std::string& host, int port, Deadline deadline, Socket* out,
+                  const CancelSignal* cancel = nullptr);
+// Fills `out` with cryptographically random bytes (getrandom).
+Status random_bytes(void* out, size_t nbytes);
+
+}  // namespace peerstate

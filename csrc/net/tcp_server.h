@@ -1,0 +1,83 @@
+// TcpServer: the holder side of the tcp transport.
+//
+// It accepts connections on the configured address (loopback by default; never
+// all interfaces unless asked), proves each peer knows the job secret before
+// reading anything else, stores pushed versions in a ReplicaStore and serves
+// pulls from it or from this rank's own SnapshotStores. A peer that sends
+// garbage, a wrong secret, a truncated frame or an out-of-range chunk gets its
+// connection closed and a log line on stderr; the server keeps running and
+// writes nothing outside the target region (every length is checked against
+// the layout before any byte lands).
+//
+// One server per rank serves every store the rank keeps: store 0 is the one
+// given to start() (the rank's own state; pushes of other ranks' state land in
+// the ReplicaStore), and serve() adds more under indices 1.. (the rank's
+// data-parallel shares), which a get names in FrameHeader::store.
+#pragma once
+
+#include <atomic>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "common/host_memory.h"
+#include "net/socket.h"
+#include "net/tcp_options.h"
+#include "net/wire.h"
+#include "store/replica_store.h"
+#include "store/snapshot_store.h"
+
+namespace peerstate {
+
+struct TcpServerStats {
+  size_t accepted = 0;  // connections that passed the handshake
+  size_t rejected = 0;  // connections closed for a failed handshake or a protocol violation
+  size_t active = 0;
+};
+
+class TcpServer {
+ public:
+  // Listens on host:port (port 0: any free port). `replicas` must outlive the
+  // server; `own` (may be null) serves pulls of this rank's own state as store 0.
+  static Status start(const TcpOptions& options, const std::string& host, int port, ReplicaStore* replicas,
+                      SnapshotStore* own, std::unique_ptr<TcpServer>* out);
+  ~TcpServer();  // stop()
+
+  // Serves pulls of this rank's state kept in `snapshots` as store `index`
+  // (>= 1). Thread-safe, never blocks; `snapshots` must outlive the server.
+  // kInvalidArgument for index 0 or an index already served.
+  Status serve(uint32_t index, SnapshotStore* snapshots);
+
+  int port() const { return port_; }
+  // Closes the listener and every connection and joins their threads. Blocks
+  // at most for the threads to notice (they are woken by shutdown).
+  void stop();
+  TcpServerStats stats() const;
+
+ private:
+  struct Connection;
+  TcpServer(const TcpOptions& options, ReplicaStore* replicas, SnapshotStore* own);
+  void accept_loop();
+  void serve_connection(Connection* connection);
+  Status handle(Connection& c, const FrameHeader& h);
+  Status serve_get(Connection& c, const FrameHeader& h);
+  Status ensure_staging(Connection& c, size_t nbytes);
+  SnapshotStore* own_store(uint32_t index) const;
+  void reap(bool all);
+
+  const TcpOptions options_;
+  ReplicaStore* const replicas_;
+  Socket listener_;
+  int port_ = 0;
+  std::thread acceptor_;
+  std::atomic<bool> stopping_{false};
+  mutable std::mutex mutex_;
+  std::map<uint32_t, SnapshotStore*> own_;  // guarded by mutex_
+  std::list<std::unique_ptr<Connection>> connections_;
+  std::atomic<size_t> accepted_{0}, rejected_{0};
+};
+
+}  // namespace peerstate

@@ -1,0 +1,95 @@
+// Replicator: streams a rank's committed snapshots to its buddies, and pulls
+// a rank's state back from whoever holds it.
+//
+// replicate() returns at once and sends the version to every holder in the
+// background, one thread per holder, each spreading chunks over its
+// connections; at most one round is in flight per rank, so replicate() first
+// waits for the previous round (back-pressure). Because the SnapshotStore
+// never overwrites its newest committed version, the version being sent stays
+// intact while the next snapshot is taken.
+//
+// pull() fetches (source_rank, version) from several sources at once: their
+// transfers share one ChunkQueue, so chunks are split between them as they go
+// and the chunks of a source that dies move to the others. The version lands
+// in the local SnapshotStore as a committed version (every chunk verified),
+// ready for restore(); on failure nothing is committed and the registered
+// buffers are untouched.
+#pragma once
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "net/transport.h"
+#include "store/snapshot_store.h"
+
+namespace peerstate {
+
+// A peer to pull from, and whose state to ask it for: a buddy holds a replica
+// of the lost rank; a replica-group member serves its own, identical, state.
+struct PullSource {
+  int peer = -1;
+  int rank = -1;
+  // Which of the peer's stores holds it (TcpServer::serve): 0 for a replica or
+  // the peer's own state, 1.. for the peer's data-parallel shares.
+  uint32_t store = 0;
+  // A holder on this machine may also name its process and the address of the
+  // version's region there: its chunks are then read straight from its memory
+  // (process_memory.h), and only what that cannot provide goes over the transport.
+  int pid = 0;
+  uintptr_t region = 0;
+};
+
+// What a pull moved: every chunk of the version, and how many of them were
+// read straight from a same-machine holder's memory.
+struct PullStats {
+  size_t chunks = 0;
+  size_t chunks_from_memory = 0;
+};
+
+struct HolderResult {
+  int holder = -1;
+  Status status;
+};
+
+class Replicator {
+ public:
+  // `store` and `transport` must outlive the replicator.
+  Replicator(SnapshotStore* store, Transport* transport, int rank);
+  ~Replicator();  // waits for the round in flight
+
+  // Starts sending committed `version` to `holders`. Waits for the previous
+  // round first. kNotFound if `version` is not committed locally.
+  Status replicate(int64_t version, const std::vector<int>& holders);
+  // Blocks until the round of `version` ends (kNotFound if there was none
+  // such: only the latest round is remembered) and reports each holder's
+  // outcome. The call itself fails only for a missing round.
+  Status wait(int64_t version, std::vector<HolderResult>* results);
+  int64_t in_flight_version() const;
+
+  // Pulls committed `version` (-1: the newest the first source that answers
+  // has) of one rank's state from `sources` into the local store, all of them
+  // serving chunks at once. Returns the version pulled. kNotFound when no
+  // source has it; kConnectionError, naming each source's failure, when the
+  // sources died before every chunk arrived. Sources with a pid and region are
+  // read first, all at once; the transport then carries what is left, if any.
+  // The pulled version replaces any copy of it, and any newer version, that the
+  // local store holds: a recovery superseded after its pull pulls the same
+  // version again in the next epoch.
+  // `stats` (optional) receives how many chunks came, and how many of them that way.
+  Status pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled,
+              PullStats* stats = nullptr);
+
+ private:
+  struct Round;
+  SnapshotStore* const store_;
+  Transport* const transport_;
+  const int rank_;
+  mutable std::mutex mutex_;
+  std::shared_ptr<Round> round_;
+};
+
+}  // namespace peerstate

@@ -1,0 +1,141 @@
+// ReplicaStore: the buddies' snapshots that this rank holds for them.
+//
+// For each source rank it serves, a holder keeps the last committed version
+// and at most one incoming version; the version committed before the last stays
+// readable until an incoming version needs its region. An incoming version becomes visible only
+// when every chunk arrived and matched its CRC32C; until then readers see the
+// previous committed version, and a partial version is simply discarded when
+// the next one begins (e.g. after its sender died).
+//
+// Memory is bounded: reserve() accounts two versions of each source against
+// the budget when replication is set up, and a version larger than its
+// reservation is refused on arrival. Versions are held in host memory, or in
+// the memory of one CUDA device (create() with a device index, GPU nodes): the
+// tcp server then stages each chunk through pinned host memory.
+//
+// Thread-safe: the tcp server's connection threads write chunks of one
+// incoming version concurrently, and readers hold committed versions by
+// shared_ptr, so a commit never pulls memory out from under a reader.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/deadline.h"
+#include "common/host_memory.h"
+#include "common/status.h"
+#include "device/device_copy.h"
+#include "store/version_meta.h"
+
+namespace peerstate {
+
+// A replica's bytes: host memory, or device memory through a DeviceCopyEngine.
+class ReplicaMemory {
+ public:
+  ReplicaMemory(std::shared_ptr<DeviceCopyEngine> engine, int device) : engine_(std::move(engine)), device_(device) {}
+  ~ReplicaMemory() { release(); }
+  ReplicaMemory(const ReplicaMemory&) = delete;
+  ReplicaMemory& operator=(const ReplicaMemory&) = delete;
+
+  Status allocate(size_t nbytes);
+  void release();
+  unsigned char* data() const { return device_ == kHostDevice ? host_.data() : device_data_; }
+  size_t size() const { return device_ == kHostDevice ? host_.size() : device_size_; }
+  int device() const { return device_; }
+
+ private:
+  std::shared_ptr<DeviceCopyEngine> engine_;  // null for host memory
+  int device_;
+  HostRegion host_;
+  unsigned char* device_data_ = nullptr;
+  size_t device_size_ = 0;
+};
+
+struct ReplicaVersion {
+  ReplicaVersion(std::shared_ptr<DeviceCopyEngine> engine, int device) : region(std::move(engine), device) {}
+  VersionMeta meta;
+  ReplicaMemory region;
+  std::vector<uint8_t> arrived;  // per chunk: 0 missing, 1 verified
+  size_t arrived_count = 0;
+  std::string failure;           // first chunk that failed verification
+  bool complete = false;         // committed once, and not reused for a newer version since
+};
+
+class ReplicaStore {
+ public:
+  // device kHostDevice: replicas in host memory (budget_bytes 0: half of
+  // physical memory). Else a CUDA device index, with an explicit budget
+  // (kUnavailable without CUDA or a GPU).
+  static Status create(size_t budget_bytes, int device, std::unique_ptr<ReplicaStore>* out);
+  explicit ReplicaStore(size_t budget_bytes) : ReplicaStore(budget_bytes, kHostDevice, nullptr) {}
+
+  // Accounts 2 x bytes_per_version for `source_rank` (replacing an earlier
+  // reservation for it) and allocates both regions now, so that the first
+  // versions do not pay for faulting in memory. kBudgetExceeded, naming the
+  // totals, when it does not fit; kOutOfMemory when the memory is not there.
+  Status reserve(int source_rank, size_t bytes_per_version);
+
+  // Starts receiving (meta.source_rank, meta.version); drops any partial
+  // incoming version of that source. kBudgetExceeded beyond the reservation,
+  // kNotFound for a source with no reservation.
+  Status begin(const VersionMeta& meta);
+  // Checks that chunk `chunk` belongs to the incoming version and has exactly
+  // `length` bytes (kProtocolError otherwise) and hands out that version, to
+  // hold alive while the chunk is written into its place in the region.
+  Status expect_chunk(int source_rank, int64_t version, uint32_t chunk, uint64_t length,
+                      std::shared_ptr<ReplicaVersion>* incoming);
+  // Records a chunk that landed with CRC32C `crc` (kChecksumMismatch, failing
+  // the version, when it differs from the metadata's).
+  Status chunk_arrived(const std::shared_ptr<ReplicaVersion>& incoming, uint32_t chunk, uint32_t crc);
+  // Waits until every chunk of the incoming version arrived, then makes it the
+  // committed one. kTimeout, or kChecksumMismatch when a chunk failed.
+  Status commit(int source_rank, int64_t version, Deadline deadline);
+
+  // A committed version of `source_rank`: the newest, or the one before it while
+  // its region has not been reused for an incoming version (`version` -1: the newest).
+  Status get(int source_rank, int64_t version, std::shared_ptr<const ReplicaVersion>* out) const;
+  // (source rank, version) for every committed version held, newest first per source:
+  // after a failure, holders of different sources may be one round apart, and the
+  // recovery point must be a version every source still has.
+  std::vector<std::pair<int, int64_t>> committed() const;
+  // Forgets every version newer than `version` of every source (a partial
+  // incoming one included): after the job rolled back to `version`, they are of
+  // the abandoned run of those steps, and the re-run's versions, which carry the
+  // same numbers, must be accepted. The version before a dropped newest one
+  // becomes the newest again if it is still readable. Readers keep what they hold.
+  void drop_newer(int64_t version);
+  size_t held_bytes() const;
+  size_t reserved_bytes() const;
+  size_t budget_bytes() const { return budget_; }
+  int device() const { return device_; }
+  // The engine of a device replica store (null for host memory).
+  DeviceCopyEngine* engine() const { return engine_.get(); }
+
+ private:
+  ReplicaStore(size_t budget_bytes, int device, std::shared_ptr<DeviceCopyEngine> engine);
+  std::shared_ptr<ReplicaVersion> new_version() const {
+    return std::make_shared<ReplicaVersion>(engine_, device_);
+  }
+
+  struct Source {
+    size_t reserved_per_version = 0;
+    std::shared_ptr<ReplicaVersion> committed;
+    std::shared_ptr<ReplicaVersion> incoming;
+    std::shared_ptr<ReplicaVersion> spare;  // the region for the next version; until then it may still
+                                            // hold the previous committed version (complete)
+  };
+
+  const size_t budget_;
+  const int device_;
+  const std::shared_ptr<DeviceCopyEngine> engine_;
+  mutable std::mutex mutex_;
+  std::condition_variable arrived_;
+  std::map<int, Source> sources_;
+};
+
+}  // namespace peerstate

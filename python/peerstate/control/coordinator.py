@@ -1,0 +1,202 @@
+"""The recovery coordinator: membership, epochs, the spare pool and recovery plans,
+kept in the job's KeyValueStore.
+
+There is no coordinator process. Whoever sees a failure (the node agent that
+reaped a worker, or an agent that saw another node's lease expire) writes the
+next epoch's plan; ``compare_set`` on the epoch's owner key makes exactly one
+writer win, and a loser whose failure the winning plan does not cover tries
+the epoch after. Workers learn of an epoch by waiting on its plan key.
+
+A writer can die part way (its node lost during a recovery). Before its plan
+is written: a loser waiting for that plan takes the epoch over (compare_set
+of the owner key from the lost writer to itself) once the writer's node is
+declared dead, and writes the plan itself; a spare the lost writer had
+claimed stays out of the pool. After its plan but before the assign keys: the
+plan is the truth, and the agent of a named spare writes its key (see
+``assignments``).
+
+Its keys are in ``keys`` (the spares, the epochs' owners and plans, the
+nodes' dead flags, the job's failure).
+
+A worker is named ``n{node}.{k}``: its node is part of its name, so a plan
+can leave out the spares of a dead node without asking anyone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from peerstate.control import keys
+from peerstate.control.kvstore import KeyValueStore
+from peerstate.control.messages import RecoveryPlan
+from peerstate.control.planning import node_of_agent, node_of_worker
+from peerstate.errors import JobFailedError
+
+
+def _assignment(epoch: int, rank: int) -> bytes:
+    """The value of a spare's ``keys.assignment`` key."""
+    return json.dumps({"epoch": epoch, "rank": rank}).encode()
+
+
+class Coordinator:
+    """The coordinator's operations over the job's store (used by the agents;
+    workers only read plans)."""
+
+    def __init__(self, kv: KeyValueStore) -> None:
+        self.kv = kv
+        self._known_epoch = 0
+
+    # -- epochs ----------------------------------------------------------------------
+    def plan(self, epoch: int) -> Optional[RecoveryPlan]:
+        raw = self.kv.get(keys.epoch_plan(epoch))
+        return RecoveryPlan.decode(raw) if raw else None
+
+    def latest_plan(self) -> RecoveryPlan:
+        """The newest plan (epoch 0 must exist)."""
+        plan = self.plan(self._known_epoch)
+        if plan is None:
+            raise JobFailedError("the job has no epoch-0 plan: the agents have not started it")
+        while True:
+            newer = self.plan(plan.epoch + 1)
+            if newer is None:
+                self._known_epoch = plan.epoch
+                return plan
+            plan = newer
+
+    def start(self, members: Dict[int, str]) -> RecoveryPlan:
+        """Write the epoch-0 plan (idempotent: every agent may call it)."""
+        plan = RecoveryPlan(0, dict(members), reason="start", planned_at=time.time())
+        self.kv.compare_set(keys.epoch_plan(0), b"", plan.encode())
+        return self.plan(0)
+
+    # -- spares ----------------------------------------------------------------------
+    def register_spare(self, worker: str) -> None:
+        self.kv.set(keys.spare_state(worker), b"ready")
+        self.kv.append(keys.SPARES, f"{worker},".encode())
+
+    def spare_gone(self, worker: str) -> Optional[Tuple[int, int]]:
+        """Take a dead spare out of the pool. Returns (epoch, rank) if it had already
+        been assigned (then its death is that rank's failure)."""
+        now = self.kv.compare_set(keys.spare_state(worker), b"ready", b"gone").decode()
+        if now.startswith("assigned:"):
+            _, epoch, rank = now.split(":")
+            return int(epoch), int(rank)
+        return None
+
+    def ready_spares(self) -> List[str]:
+        raw = (self.kv.get(keys.SPARES) or b"").decode()
+        ids = [w for w in raw.split(",") if w]
+        dead_nodes = self.dead_nodes()
+        ids = [w for w in ids if node_of_worker(w) not in dead_nodes]
+        states = self.kv.get_many([keys.spare_state(w) for w in ids])
+        return [w for w, s in zip(ids, states) if s == b"ready"]
+
+    # -- nodes -----------------------------------------------------------------------
+    def mark_node_dead(self, node: int) -> None:
+        self.kv.set(keys.node_dead(node), b"1")
+
+    def dead_nodes(self) -> Set[int]:
+        nodes = int(json.loads(self.kv.get(keys.CONFIG) or b"{}").get("nnodes", 0))
+        flags = self.kv.get_many([keys.node_dead(n) for n in range(nodes)])
+        return {n for n, flag in zip(range(nodes), flags) if flag}
+
+    # -- failures --------------------------------------------------------------------
+    def report_failure(self, workers: Iterable[str], reason: str, *, detected_at: float,
+                       me: str, spare_timeout: float = 30.0, writer_grace: float = 30.0) -> Optional[RecoveryPlan]:
+        """Replace the ranks the dead ``workers`` hold. Returns the plan that does so
+        (this caller's or a concurrent one's), or None if none of them is a member.
+
+        Blocks while another writer holds the epoch, up to ``spare_timeout +
+        writer_grace`` (it may be waiting for a spare), and takes the epoch over if
+        that writer's node is declared dead first. Raises JobFailedError when no
+        spare becomes ready within ``spare_timeout``, or when the other writer
+        neither writes its plan nor is declared dead in time.
+        """
+        dead = set(workers)
+        while True:
+            current = self.latest_plan()
+            failed = sorted(r for r, w in current.members.items() if w in dead)
+            if not failed:
+                return None  # already replaced by an earlier plan
+            epoch = current.epoch + 1
+            owner = self.kv.compare_set(keys.epoch_owner(epoch), b"", me.encode())
+            if owner != me.encode() and not self._wait_or_take_over(epoch, me, spare_timeout + writer_grace):
+                continue  # re-read: the winner's plan may or may not cover our failure
+            replaced = self._assign_spares(epoch, failed, current, spare_timeout)
+            members = dict(current.members)
+            members.update(replaced)
+            plan = RecoveryPlan(epoch, members, replaced, failed, reason, detected_at, time.time())
+            self.kv.set(keys.epoch_plan(epoch), plan.encode())
+            for rank, worker in replaced.items():
+                self.kv.set(keys.assignment(worker), _assignment(epoch, rank))
+            return plan
+
+    def _wait_or_take_over(self, epoch: int, me: str, timeout: float) -> bool:
+        """Wait for another writer's plan of ``epoch``: False once it is written, True
+        once this caller took the epoch over from a writer whose node was declared dead."""
+        key, plan_key = keys.epoch_owner(epoch), keys.epoch_plan(epoch)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.kv.wait([plan_key], timeout=0.25)
+                return False
+            except TimeoutError:
+                pass
+            owner = self.kv.get(key) or b""
+            if node_of_agent(owner.decode()) in self.dead_nodes():
+                if self.kv.compare_set(key, owner, me.encode()) == me.encode():
+                    return True
+                continue  # another survivor took it over first: wait for its plan
+            if time.monotonic() > deadline:
+                raise JobFailedError(
+                    f"{owner.decode()} began epoch {epoch}'s recovery plan but neither wrote it nor was declared "
+                    f"lost within {timeout:.0f}s; the job cannot recover. Check that agent's node and its log.")
+
+    def assignments(self, spares: Sequence[str]) -> Dict[str, int]:
+        """The ranks the latest plan gives to any of these waiting ``spares``. Also
+        writes each one's assign key if the plan's writer died before it could."""
+        plan = self.latest_plan()
+        waiting = set(spares)
+        ranks = {w: r for r, w in plan.members.items() if w in waiting}
+        for worker, rank in ranks.items():
+            self.kv.compare_set(keys.assignment(worker), b"", _assignment(plan.epoch, rank))
+        return ranks
+
+    def _assign_spares(self, epoch: int, failed: Sequence[int], current: RecoveryPlan,
+                       timeout: float) -> Dict[int, str]:
+        """Claim one ready spare per failed rank, preferring the failed worker's own node
+        (its buddies were chosen to be elsewhere). Waits for the pool to refill."""
+        deadline = time.monotonic() + timeout
+        replaced: Dict[int, str] = {}
+        asked = False
+        for rank in failed:
+            home = node_of_worker(current.members[rank])
+            while rank not in replaced:
+                spares = sorted(self.ready_spares(), key=lambda w: (node_of_worker(w) != home, w))
+                for worker in spares:
+                    claim = f"assigned:{epoch}:{rank}".encode()
+                    if self.kv.compare_set(keys.spare_state(worker), b"ready", claim) == claim:
+                        replaced[rank] = worker
+                        break
+                else:
+                    if not asked:  # agents hold back refills during a recovery unless asked
+                        self.kv.add(keys.SPARES_WANTED, 1)
+                        asked = True
+                    if time.monotonic() > deadline:
+                        for r, worker in replaced.items():  # give back what was claimed
+                            self.kv.compare_set(keys.spare_state(worker), f"assigned:{epoch}:{r}".encode(), b"ready")
+                        raise JobFailedError(
+                            f"no hot spare became ready within {timeout:.0f}s to replace rank {rank} "
+                            "(every spare started so far is in use or lost). Start the job with more --spares.")
+                    time.sleep(0.05)
+        return replaced
+
+    def fail_job(self, message: str) -> str:
+        """Record why the job stops (the first reason wins); returns the recorded one."""
+        return self.kv.compare_set(keys.JOB_FAILED, b"", message.encode()).decode()
+
+    def failure(self) -> Optional[str]:
+        raw = self.kv.get(keys.JOB_FAILED)
+        return raw.decode() if raw else None

@@ -1,0 +1,113 @@
+"""The agent-to-worker contract: what ``peerstate run`` puts in the environment
+of each process it starts, written by ``to_env()`` in the agent and read back,
+validated, by ``from_env()`` in the worker.
+
+Besides peerstate's own variables a worker gets torchrun's (WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK, and RANK/LOCAL_RANK
+for an initial worker; a spare gets them once it is given a rank).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional
+
+from peerstate.errors import InvalidArgumentError
+
+# A worker that could not leave a blocked call within Job(abort_timeout=...) exits with this (EX_SOFTWARE).
+ABORT_DEADLINE_EXIT_CODE = 70
+
+SECRET_VARIABLE = "PEERSTATE_SECRET"
+MIN_SECRET_BYTES = 16
+
+
+def parse_secret(text: str) -> bytes:
+    """The job secret from its hex form (PEERSTATE_SECRET); InvalidArgumentError
+    naming what is wrong with it otherwise."""
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{SECRET_VARIABLE} must be hexadecimal (e.g. the output of "
+                                   "`python -c 'import secrets; print(secrets.token_hex(32))'`); "
+                                   f"it holds {len(text)} characters that are not") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise InvalidArgumentError(f"{SECRET_VARIABLE} holds {len(secret)} bytes; the job secret needs at least "
+                                   f"{MIN_SECRET_BYTES} (32 hexadecimal digits)")
+    return secret
+
+
+@dataclass(frozen=True)
+class WorkerEnvironment:
+    """One process's place in the job, as its agent started it."""
+
+    store: str                 # HOST:PORT of the job's store
+    worker: str                # n{node}.{k}
+    spare: bool                # a hot spare (no rank yet)
+    world_size: int
+    nproc_per_node: int
+    node: int
+    host: str = "127.0.0.1"    # the address its replication server listens on
+    progress: Optional[str] = None   # its progress counter's file
+    events: Optional[str] = None     # the job's event log
+    secret: Optional[bytes] = None
+    rank: Optional[int] = None       # an initial worker's rank
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+
+    @property
+    def store_host(self) -> str:
+        return self.store.rsplit(":", 1)[0]
+
+    @property
+    def store_port(self) -> int:
+        return int(self.store.rsplit(":", 1)[1])
+
+    def to_env(self) -> Dict[str, str]:
+        """The variables to add to the process's environment."""
+        env = dict(
+            WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(self.nproc_per_node),
+            MASTER_ADDR=self.store_host, MASTER_PORT=str(self.store_port), GROUP_RANK=str(self.node),
+            PEERSTATE_STORE=self.store, PEERSTATE_WORKER=self.worker, PEERSTATE_HOST=self.host,
+            PEERSTATE_ROLE="spare" if self.spare else "worker",
+        )
+        if self.progress:
+            env["PEERSTATE_PROGRESS"] = self.progress
+        if self.events:
+            env["PEERSTATE_EVENTS"] = self.events
+        if self.secret is not None:
+            env[SECRET_VARIABLE] = self.secret.hex()
+        if self.rank is not None:
+            env.update(RANK=str(self.rank), LOCAL_RANK=str(self.rank % self.nproc_per_node))
+        if self.checkpoint_dir:
+            env.update(PEERSTATE_CHECKPOINT_DIR=self.checkpoint_dir,
+                       PEERSTATE_CHECKPOINT_EVERY=str(self.checkpoint_every))
+        return env
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "WorkerEnvironment":
+        """Read and check this process's variables; InvalidArgumentError naming the
+        first that is missing or wrong."""
+        if "PEERSTATE_STORE" not in env:
+            raise InvalidArgumentError(
+                "peerstate.Job() runs in a process started by `peerstate run` (PEERSTATE_STORE is not set); "
+                "start the script with: peerstate run --nproc-per-node N --spares S script.py")
+        try:
+            spare = env.get("PEERSTATE_ROLE", "worker") == "spare"
+            result = cls(
+                store=env["PEERSTATE_STORE"], worker=env["PEERSTATE_WORKER"], spare=spare,
+                world_size=int(env["WORLD_SIZE"]), nproc_per_node=int(env["LOCAL_WORLD_SIZE"]),
+                node=int(env.get("GROUP_RANK", env["PEERSTATE_WORKER"][1:].split(".")[0])),
+                host=env.get("PEERSTATE_HOST", "127.0.0.1"), progress=env.get("PEERSTATE_PROGRESS"),
+                events=env.get("PEERSTATE_EVENTS"),
+                secret=parse_secret(env[SECRET_VARIABLE]) if env.get(SECRET_VARIABLE) else None,
+                rank=None if spare else int(env["RANK"]),
+                checkpoint_dir=env.get("PEERSTATE_CHECKPOINT_DIR"),
+                checkpoint_every=int(env.get("PEERSTATE_CHECKPOINT_EVERY", "0")))
+            result.store_port
+        except KeyError as missing:
+            raise InvalidArgumentError(f"{missing.args[0]} is not set: this process was not started by "
+                                       "`peerstate run`, or its environment was changed") from None
+        except ValueError as error:
+            raise InvalidArgumentError(f"a peerstate variable of this process is malformed: {error}") from None
+        return result

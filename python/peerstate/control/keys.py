@@ -1,0 +1,106 @@
+"""Every key the control plane keeps in the job's KeyValueStore, spelled here once.
+
+A leaf module (it imports nothing of peerstate), so any plane may name a key.
+The families, with who writes and who reads them:
+
+Job (written once, read by everyone)
+    ``config``                      the job's shape; the first agent sets it, the others must agree
+    ``nodes_joined``                counter of the agents that connected
+    ``job/secret``                  the replication secret, when PEERSTATE_SECRET is not set
+    ``job/started``                 wall-clock time of the first step (first worker wins)
+    ``job/finished``                counter of the ranks that finished the loop
+    ``job/failed``                  why the job stops; the first reason wins
+
+Nodes (each agent writes its own, every agent reads the others')
+    ``node/{n}/lease``              counter an agent bumps while it lives
+    ``node/{n}/dead``               set once node n is declared lost
+    ``node/{n}/done``               set once node n's agent saw every rank finish
+
+Spares
+    ``spares``                      "id,id,..." every spare that ever registered (appended)
+    ``spare/{worker}``              ready | gone | assigned:{epoch}:{rank}
+    ``spares/wanted``               counter a plan writer bumps when it waits for a spare
+    ``assign/{worker}``             the assignment a waiting spare blocks on
+
+Epochs (one plan writer per epoch; members write their own entries)
+    ``epoch/{e}/owner``             the plan writer that won epoch e (compare_set)
+    ``epoch/{e}/plan``              its RecoveryPlan
+    ``epoch/{e}/report/{rank}``     the MemberReport of each member
+    ``epoch/{e}/ddp/{index}``       the DDP bucket layout survivors settled on (first survivor wins)
+    ``epoch/{e}/marks/{rank}``      a member's recovery timeline marks
+    ``epoch/{e}/marks_done``        counter of the members that published their marks
+    ``pg/{e}/...``                  torch's own keys of epoch e's process group (a PrefixStore)
+
+Per rank
+    ``bytes/{rank}``                bytes of one version of a rank's own state (its holders reserve them)
+
+Tools
+    ``inject/{index}``              the agent that injected fault ``index`` (injected once)
+    ``peerstate/nccl_id``           the NCCL unique id of the state transport
+"""
+
+CONFIG = "config"
+NODES_JOINED = "nodes_joined"
+JOB_SECRET = "job/secret"
+JOB_STARTED = "job/started"
+JOB_FINISHED = "job/finished"
+JOB_FAILED = "job/failed"
+SPARES = "spares"
+SPARES_WANTED = "spares/wanted"
+NCCL_ID = "peerstate/nccl_id"
+
+
+def node_lease(node: int) -> str:
+    return f"node/{node}/lease"
+
+
+def node_dead(node: int) -> str:
+    return f"node/{node}/dead"
+
+
+def node_done(node: int) -> str:
+    return f"node/{node}/done"
+
+
+def spare_state(worker: str) -> str:
+    return f"spare/{worker}"
+
+
+def assignment(worker: str) -> str:
+    return f"assign/{worker}"
+
+
+def epoch_owner(epoch: int) -> str:
+    return f"epoch/{epoch}/owner"
+
+
+def epoch_plan(epoch: int) -> str:
+    return f"epoch/{epoch}/plan"
+
+
+def member_report(epoch: int, rank: int) -> str:
+    return f"epoch/{epoch}/report/{rank}"
+
+
+def ddp_layout(epoch: int, index: int) -> str:
+    return f"epoch/{epoch}/ddp/{index}"
+
+
+def recovery_marks(epoch: int, rank: int) -> str:
+    return f"epoch/{epoch}/marks/{rank}"
+
+
+def marks_done(epoch: int) -> str:
+    return f"epoch/{epoch}/marks_done"
+
+
+def process_group_prefix(epoch: int) -> str:
+    return f"pg/{epoch}/"
+
+
+def replica_bytes(rank: int) -> str:
+    return f"bytes/{rank}"
+
+
+def injected(index: int) -> str:
+    return f"inject/{index}"

@@ -1,0 +1,66 @@
+"""InMemoryKeyValueStore: the KeyValueStore contract kept in this process's
+memory, for the unit tests of the control plane's logic (and any single-process
+use). Every call is atomic under one lock, as the contract requires."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+from peerstate.control.kvstore import KeyValueStore
+
+
+class InMemoryKeyValueStore(KeyValueStore):
+    """A second implementation of ``KeyValueStore``; clones share the data."""
+
+    def __init__(self, _shared: Optional[tuple] = None) -> None:
+        self._data: Dict[str, bytes]
+        self._changed: threading.Condition
+        self._data, self._changed = _shared or ({}, threading.Condition())
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._changed:
+            self._data[key] = bytes(value)
+            self._changed.notify_all()
+
+    def get(self, key: str) -> Optional[bytes]:
+        with self._changed:
+            return self._data.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        with self._changed:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            self._changed.notify_all()
+            return value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        with self._changed:
+            current = self._data.get(key)
+            if (current is None and expected == b"") or current == expected:
+                self._data[key] = bytes(desired)
+                self._changed.notify_all()
+            return self._data.get(key, b"")
+
+    def append(self, key: str, value: bytes) -> None:
+        with self._changed:
+            self._data[key] = self._data.get(key, b"") + bytes(value)
+            self._changed.notify_all()
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not all(k in self._data for k in keys):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"keys {list(keys)} did not appear within {timeout:.1f}s")
+                self._changed.wait(left)
+
+    def clone(self) -> "InMemoryKeyValueStore":
+        return InMemoryKeyValueStore((self._data, self._changed))
+
+    def keys(self) -> List[str]:
+        """Every key held (for tests that check what was written)."""
+        with self._changed:
+            return sorted(self._data)

@@ -1,0 +1,1 @@
+"""``peerstate run``: the node agent, its worker processes, fault injection."""

@@ -1,0 +1,410 @@
+"""The node agent behind ``peerstate run``: one per node.
+
+It starts this node's workers and hot spares, sees a worker die at once
+(every few milliseconds: ``waitpid``, and before that the kernel's own mark of
+a process that has begun to exit, see ``ExitWatch``), sees a
+worker freeze through its progress counter in shared memory, keeps this node's
+heartbeat lease alive and watches the other nodes', writes recovery plans
+(through the Coordinator) when it sees a failure, refills its spare pool, and
+never restarts a healthy worker. It exits 0 when every rank finished, and
+otherwise non-zero with a one-paragraph summary.
+
+Worker names are ``n{node}.{k}``: the first ``nproc_per_node`` are the initial
+workers (rank = node * nproc_per_node + k), the rest are spares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from peerstate.control import keys
+from peerstate.control import progress as progress_file
+from peerstate.control.coordinator import Coordinator
+from peerstate.control.environment import SECRET_VARIABLE, WorkerEnvironment, parse_secret
+from peerstate.control.kvstore import TorchKeyValueStore
+from peerstate.control.planning import node_of_worker
+from peerstate.control.progress import ProgressCounter
+from peerstate.control.timeline import EventLog
+from peerstate.errors import InvalidArgumentError, JobFailedError
+from peerstate.launcher.inject import Fault, FaultInjector
+from peerstate.launcher.processes import WorkerProcess, describe_exit, die_with_parent, log_tail
+
+POLL_SECONDS = 0.005
+WATCH_SECONDS = 0.1
+
+
+@dataclass
+class AgentConfig:
+    script: List[str]                      # the script and its arguments
+    nproc_per_node: int
+    spares: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    store: str = "127.0.0.1:0"             # HOST:PORT; node 0 hosts it (port 0: any free port)
+    host: str = "127.0.0.1"                # the address this node's workers listen on
+    log_dir: str = "peerstate-logs"
+    hang_timeout: float = 10.0             # a worker whose counter stops this long is killed
+    lease_timeout: float = 3.0             # a node whose lease stops this long is lost
+    spare_timeout: float = 60.0            # how long a plan waits for a spare to become ready
+    join_timeout: float = 120.0            # how long nodes wait for each other at start
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    inject: List[str] = field(default_factory=list)  # fault specs (peerstate.launcher.inject)
+    extra_env: Dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.nproc_per_node < 1:
+            raise InvalidArgumentError(f"--nproc-per-node must be >= 1 (got {self.nproc_per_node})")
+        if not 0 <= self.spares <= self.nproc_per_node:
+            raise InvalidArgumentError(
+                f"--spares {self.spares} is not allowed: a node may keep 0 to --nproc-per-node "
+                f"({self.nproc_per_node}) hot spares, one per worker slot; each spare is a full process "
+                "(and, on GPU nodes, needs its own device)")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise InvalidArgumentError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes)")
+        if not self.script:
+            raise InvalidArgumentError("give the training script to run: peerstate run [options] script.py [args]")
+        if ":" not in self.store:
+            raise InvalidArgumentError(f"--store must be HOST:PORT (got {self.store!r})")
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        config.validate()
+        self.config = config
+        # A bad secret fails here, before anything starts.
+        self._secret_from_env = parse_secret(os.environ[SECRET_VARIABLE]) if os.environ.get(SECRET_VARIABLE) else None
+        self.node = config.node_rank
+        self.world_size = config.nnodes * config.nproc_per_node
+        self.name = f"agent{self.node}"
+        self.log_dir = Path(config.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(str(self.log_dir / "events.jsonl"), self.name)
+        self.processes: Dict[str, WorkerProcess] = {}
+        self._next_index = config.nproc_per_node
+        self._progress_dir = Path("/dev/shm" if os.path.isdir("/dev/shm") else self.log_dir)
+        self._leases: Dict[int, tuple] = {}
+        self._reporting = threading.Lock()
+        self._stopping = False
+        self.injector = FaultInjector(config.inject, world_size=self.world_size, nnodes=config.nnodes,
+                                      node=self.node)
+        self._job_started: Optional[float] = None
+        self._spares_wanted = 0
+        self._dying: List[subprocess.Popen] = []  # failed workers whose exit has not completed yet
+
+    # -- start ----------------------------------------------------------------------
+    def run(self) -> int:
+        try:
+            self._connect()
+            self._spawn_initial()
+            return self._watch()
+        except JobFailedError as error:
+            return self._stop(str(error))
+        except Exception as error:  # noqa: BLE001 - DistNetworkError and kin: the store is gone
+            if not hasattr(self, "kv"):
+                raise
+            self._stopping = True
+            print(f"peerstate: the job cannot go on: node {self.node} lost the job's store (hosted by node 0's "
+                  f"agent): {error}. Node {self.node} stops its workers and spares.", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            self._kill_all()
+
+    def _connect(self) -> None:
+        config = self.config
+        host, port = config.store.rsplit(":", 1)
+        try:
+            self.kv = TorchKeyValueStore(host, int(port), host_store=self.node == 0, timeout=config.join_timeout)
+        except Exception as error:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
+            raise JobFailedError(f"node {self.node} could not {'host' if self.node == 0 else 'reach'} the job's "
+                                 f"store at {config.store}: {error}") from None
+        self.store_address = f"{host}:{self.kv.port}"
+        if self.node == 0:
+            print(f"peerstate: store at {self.store_address}", file=sys.stderr, flush=True)
+        self.coordinator = Coordinator(self.kv)
+        shape = {"nnodes": config.nnodes, "nproc_per_node": config.nproc_per_node, "world_size": self.world_size}
+        agreed = json.loads(self.kv.compare_set(keys.CONFIG, b"", json.dumps(shape).encode()))
+        if agreed != shape:
+            message = (f"node {self.node} was started with {shape} but the job was started with {agreed}: every "
+                       "agent needs the same --nnodes and --nproc-per-node")
+            self.coordinator.fail_job(message)
+            raise JobFailedError(message)
+        if self._secret_from_env is not None:
+            self.secret = self._secret_from_env
+        else:  # the store is unauthenticated: set PEERSTATE_SECRET on every node where that matters
+            self.kv.compare_set(keys.JOB_SECRET, b"", secrets.token_hex(32).encode())
+            self.secret = parse_secret(self.kv.get(keys.JOB_SECRET).decode())
+        self.kv.add(keys.NODES_JOINED, 1)
+        deadline = time.monotonic() + config.join_timeout
+        while self.kv.add(keys.NODES_JOINED, 0) < config.nnodes:
+            if self.coordinator.failure():
+                raise JobFailedError(self.coordinator.failure())
+            if time.monotonic() > deadline:
+                joined = self.kv.add(keys.NODES_JOINED, 0)
+                message = f"only {joined} of {config.nnodes} nodes joined within {config.join_timeout:.0f}s"
+                self.coordinator.fail_job(message)
+                raise JobFailedError(message)
+            time.sleep(0.02)
+        members = {r: f"n{r // config.nproc_per_node}.{r % config.nproc_per_node}" for r in range(self.world_size)}
+        self.coordinator.start(members)
+        self.events.write("agent_started", node=self.node, store=self.store_address)
+
+    def _spawn_initial(self) -> None:
+        for local in range(self.config.nproc_per_node):
+            self._spawn(f"n{self.node}.{local}", self.node * self.config.nproc_per_node + local)
+        for _ in range(self.config.spares):
+            self._spawn_spare()
+
+    def _spawn_spare(self) -> None:
+        worker = f"n{self.node}.{self._next_index}"
+        self._next_index += 1
+        self._spawn(worker, None)
+        self.events.write("spare_started", worker=worker)
+
+    def _spawn(self, worker: str, rank: Optional[int]) -> None:
+        config = self.config
+        counter_path = self._progress_dir / f"peerstate-{os.getpid()}-{worker}.progress"
+        progress_file.create(str(counter_path))
+        env = dict(os.environ)
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the watcher's timed-out waits are not news
+        if config.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in env:
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds where --host says, not the hostname's address
+        env.update(config.extra_env)
+        env.update(WorkerEnvironment(
+            store=self.store_address, worker=worker, spare=rank is None, world_size=self.world_size,
+            nproc_per_node=config.nproc_per_node, node=self.node, host=config.host, progress=str(counter_path),
+            events=str(self.log_dir / "events.jsonl"), secret=self.secret, rank=rank,
+            checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every).to_env())
+        log = self.log_dir / f"{worker}.log"
+        with open(log, "ab") as out:
+            popen = subprocess.Popen([sys.executable, *config.script], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
+        self.processes[worker] = WorkerProcess(worker, rank, popen, ProgressCounter(str(counter_path)), log)
+
+    # -- watch ----------------------------------------------------------------------
+    def _watch(self) -> int:
+        next_watch = 0.0
+        while True:
+            for process in list(self.processes.values()):
+                code = process.popen.poll()
+                if code is None:
+                    code = process.exit_watch.status()
+                    if code is not None:
+                        self._dying.append(process.popen)  # reaped once its exit completes
+                if code is not None:
+                    self._exited(process, code)
+            self._dying = [popen for popen in self._dying if popen.poll() is None]
+            if self.injector.faults:
+                self._inject()
+            now = time.monotonic()
+            if now >= next_watch:
+                next_watch = now + WATCH_SECONDS
+                self.kv.add(keys.node_lease(self.node), 1)
+                failure = self.coordinator.failure()
+                if failure:
+                    return self._stop(failure)
+                if self.kv.add(keys.JOB_FINISHED, 0) >= self.world_size and not self._live_workers():
+                    self.kv.set(keys.node_done(self.node), b"1")
+                    self.events.write("agent_done", node=self.node)
+                    if self.node == 0:
+                        self._wait_for_other_nodes()
+                    return 0
+                self._follow_spares()
+                self._check_hangs(now)
+                self._check_leases(now)
+                self._refill()
+            time.sleep(POLL_SECONDS)
+
+    def _wait_for_other_nodes(self) -> None:
+        """Node 0 hosts the store: it outlives the other agents' last reads."""
+        deadline = time.monotonic() + self.config.lease_timeout + 10
+        nodes = range(1, self.config.nnodes)
+        while time.monotonic() < deadline:
+            flags = self.kv.get_many([keys.node_done(n) for n in nodes] + [keys.node_dead(n) for n in nodes])
+            if all(flags[i] or flags[len(nodes) + i] for i in range(len(nodes))):
+                return
+            time.sleep(0.02)
+
+    def _inject(self) -> None:
+        workers = {p.rank: p for p in self.processes.values() if p.rank is not None and not p.hung}
+        if self._job_started is None:
+            raw = self.kv.get(keys.JOB_STARTED)
+            self._job_started = float(raw) if raw else None
+        since = time.time() - self._job_started if self._job_started else None
+        for fault in self.injector.due({r: p.counter.read()[1] for r, p in workers.items()}, since):
+            if self.kv.compare_set(keys.injected(fault.index), b"", self.name.encode()) != self.name.encode():
+                continue  # injected already, on the node that held the rank then
+            self._fault(fault, workers.get(fault.rank))
+
+    def _fault(self, fault: Fault, victim: Optional[WorkerProcess]) -> None:
+        self.events.write("fault_injected", fault=fault.describe(), rank=fault.rank, node=fault.node)
+        print(f"peerstate: injecting {fault.describe()}", file=sys.stderr, flush=True)
+        if fault.kind == "kill-node":  # everything this agent runs, then the agent itself
+            for process in self.processes.values():
+                os.killpg(process.popen.pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.killpg(victim.popen.pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+
+    def _live_workers(self) -> List[WorkerProcess]:
+        return [p for p in self.processes.values() if p.rank is not None and p.popen.poll() is None]
+
+    def _exited(self, process: WorkerProcess, code: int) -> None:
+        detected_at = time.time()
+        del self.processes[process.worker]
+        process.counter.close()
+        process.exit_watch.close()
+        os.unlink(process.counter.path)
+        how = "hung (its progress counter stopped) and was killed" if process.hung else describe_exit(code)
+        self.events.write("process_exited", worker=process.worker, rank=process.rank, code=code, how=how)
+        if self._stopping or (code == 0 and process.rank is not None) or self.coordinator.failure():
+            return  # a worker that stops because the job failed is not a new failure
+        if process.rank is None:
+            assigned = self.coordinator.spare_gone(process.worker)
+            if assigned is not None:
+                process.rank = assigned[1]  # its death is that rank's failure
+        who = f"hot spare {process.worker}" if process.rank is None else f"rank {process.rank} ({process.worker})"
+        if code > 0 and not process.ticked:
+            self._fail(f"{who} {how} before it reached peerstate.Job(): the script fails at start-up. Last lines "
+                       f"of {process.log}:\n{log_tail(process.log)}")
+            return
+        if process.rank is None:
+            return  # a waiting spare died: the pool is refilled
+        self._report([process.worker], f"rank {process.rank} ({process.worker}) {how}", detected_at)
+
+    def _report(self, workers: List[str], reason: str, detected_at: float) -> None:
+        """Write the recovery plan off the watch loop (waiting for a spare takes a while)."""
+        self.events.write("failure_detected", workers=workers, reason=reason, detected_at=detected_at)
+        print(f"peerstate: {reason}", file=sys.stderr, flush=True)
+
+        def report() -> None:
+            try:
+                with self._reporting:
+                    # Its own connection: waits on this one must not delay the lease on the main one.
+                    coordinator = Coordinator(self.kv.clone())
+                    plan = coordinator.report_failure(workers, reason, detected_at=detected_at, me=self.name,
+                                                      spare_timeout=self.config.spare_timeout,
+                                                      writer_grace=self.config.lease_timeout + 30)
+                if plan is not None:
+                    self.events.write("plan", epoch=plan.epoch, failed=plan.failed, replaced=plan.replaced,
+                                      reason=plan.reason, detected_at=plan.detected_at, planned_at=plan.planned_at)
+            except JobFailedError as error:
+                self._fail(str(error))
+            except Exception as error:  # noqa: BLE001 - the store is gone: the job is over
+                self._fail(f"could not write a recovery plan: {error}")
+
+        threading.Thread(target=report, name="peerstate-report", daemon=True).start()
+
+    def _follow_spares(self) -> None:
+        """Learn which of this node's spares a planner claimed (they no longer count as
+        waiting) and which became workers (then they are watched for hangs): the ones
+        the latest plan names, whether or not its writer lived on to write their
+        assign keys (``Coordinator.assignments`` writes them then)."""
+        waiting = {p.worker: p for p in self.processes.values() if p.rank is None}
+        if not waiting:
+            return
+        states = self.kv.get_many([keys.spare_state(w) for w in waiting])
+        for process, state in zip(waiting.values(), states):
+            process.claimed = bool(state and state.startswith(b"assigned:"))
+        claimed = [w for w, p in waiting.items() if p.claimed]
+        if claimed:
+            for worker, rank in self.coordinator.assignments(claimed).items():
+                waiting[worker].rank = rank
+
+    def _check_hangs(self, now: float) -> None:
+        for process in self.processes.values():
+            heartbeat, step = process.counter.read()
+            if step == progress_file.FINISHED:
+                continue
+            if heartbeat != process.heartbeat:
+                process.heartbeat, process.heartbeat_at, process.ticked = heartbeat, now, True
+            elif (process.ticked and process.rank is not None and not process.hung
+                  and now - process.heartbeat_at > self.config.hang_timeout):
+                process.hung = True
+                os.killpg(process.popen.pid, signal.SIGKILL)  # reaped, and reported, by the next poll
+
+    def _check_leases(self, now: float) -> None:
+        others = [n for n in range(self.config.nnodes) if n != self.node]
+        if not others:
+            return
+        values = self.kv.get_many([keys.node_lease(n) for n in others] + [keys.node_dead(n) for n in others] +
+                                  [keys.node_done(n) for n in others])
+        count = len(others)
+        for i, node in enumerate(others):
+            lease, dead, done = values[i], values[count + i], values[2 * count + i]
+            if dead or done or lease is None:
+                continue
+            seen, seen_at = self._leases.get(node, (None, now))
+            if lease != seen:
+                self._leases[node] = (lease, now)
+            elif now - seen_at > self.config.lease_timeout:
+                self.coordinator.mark_node_dead(node)
+                plan = self.coordinator.latest_plan()
+                workers = [w for w in plan.members.values() if node_of_worker(w) == node]
+                self._report(workers, f"node {node} lost: its lease expired {now - seen_at:.1f}s ago",
+                             time.time() - (now - seen_at - self.config.lease_timeout))
+
+    def _refill(self) -> None:
+        """Keep --spares spares waiting, but not while a recovery runs (a starting
+        Python process takes a CPU-second or two from it) unless a planner is
+        waiting for a spare."""
+        waiting = sum(1 for p in self.processes.values() if p.rank is None and not p.claimed)
+        if waiting >= self.config.spares:
+            return
+        wanted = self.kv.add(keys.SPARES_WANTED, 0)
+        plan = self.coordinator.latest_plan()
+        recovering = (plan.epoch > 0 and time.time() - plan.planned_at < self.config.spare_timeout
+                      and self.kv.add(keys.marks_done(plan.epoch), 0) < self.world_size)
+        if recovering and wanted == self._spares_wanted:
+            return
+        self._spares_wanted = wanted
+        for _ in range(self.config.spares - waiting):
+            self._spawn_spare()
+
+    # -- stop -----------------------------------------------------------------------
+    def _fail(self, message: str) -> None:
+        self.coordinator.fail_job(message)
+
+    def _stop(self, reason: str) -> int:
+        self._stopping = True
+        self.events.write("job_failed", node=self.node, reason=reason)
+        finished = self.kv.add(keys.JOB_FINISHED, 0) if hasattr(self, "kv") else 0
+        plan = None
+        try:
+            plan = self.coordinator.latest_plan()
+        except Exception:  # noqa: BLE001 - no plan yet: the job failed while starting
+            pass
+        recovered = f"after {plan.epoch} recoveries, " if plan else ""
+        print(f"peerstate: the job cannot go on: {reason.rstrip('.')}. Node {self.node} stops its workers and spares "
+              f"({recovered}{finished} of {self.world_size} ranks had finished). Worker logs and the event log "
+              f"are in {self.log_dir}/.", file=sys.stderr, flush=True)
+        return 1
+
+    def _kill_all(self) -> None:
+        self._stopping = True
+        for process in self.processes.values():
+            if process.popen.poll() is None:
+                try:
+                    os.killpg(process.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.popen.wait()
+            process.counter.close()
+            process.exit_watch.close()
+            try:
+                os.unlink(process.counter.path)
+            except FileNotFoundError:
+                pass
+        self.processes.clear()
+        for popen in self._dying:
+            popen.wait()
+        self._dying.clear()

@@ -1,0 +1,97 @@
+"""The processes a node agent starts: how each is watched (``ExitWatch`` sees a
+death before ``waitpid`` can), and the helpers that describe how one ended."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+from peerstate.control.progress import ProgressCounter
+
+
+class WorkerProcess:
+    """One process this agent started: an initial worker, or a spare until it is given a rank."""
+
+
+    def __init__(self, worker: str, rank: Optional[int], popen: subprocess.Popen, counter: ProgressCounter,
+                 log: Path) -> None:
+        self.worker = worker
+        self.rank = rank                   # None while a spare waits
+        self.popen = popen
+        self.counter = counter
+        self.log = log
+        self.heartbeat = 0
+        self.heartbeat_at = time.monotonic()
+        self.ticked = False                # it reached peerstate.Job()
+        self.hung = False
+        self.claimed = False               # a spare a planner claimed, not yet named by a plan
+        self.exit_watch = ExitWatch(popen.pid)
+
+
+# Linux's PF_EXITING: set on a task as it enters do_exit(), before its memory is released.
+_PF_EXITING = 0x4
+
+
+class ExitWatch:
+    """Sees a child process begin to exit abnormally, before ``waitpid`` can.
+
+    The kernel records the exit status and marks the task exiting as it enters
+    do_exit(), then releases the process's memory, and only then lets ``waitpid``
+    see it. For a worker holding a few hundred MiB (tensors plus snapshot memory)
+    that release takes 50-80 ms on a busy core; ``/proc/PID/stat`` (fields 9,
+    flags, and 52, exit_code) shows the death that much sooner. The file stays
+    open: a look is one pread (~3 us against ~9 us to open it each time, at a
+    look per worker every 5 ms)."""
+
+    def __init__(self, pid: int) -> None:
+        try:
+            self._fd: Optional[int] = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        except OSError:
+            self._fd = None  # no /proc, or already reaped: waitpid alone will tell
+
+    def status(self) -> Optional[int]:
+        """The exit status in ``Popen.returncode`` form once the process has begun to
+        exit by a signal or a non-zero code; None while it runs or is stopped, when it
+        exits with 0 (no failure: left to waitpid), or where /proc does not say."""
+        if self._fd is None:
+            return None
+        try:
+            stat = os.pread(self._fd, 1024, 0)
+        except OSError:
+            return None  # reaped
+        fields = stat[stat.rfind(b")") + 2:].split()  # fields from 3 (state) on; the name may hold spaces
+        if len(fields) < 50 or not int(fields[9 - 3]) & _PF_EXITING:
+            return None
+        code = int(fields[52 - 3])
+        if code == 0:
+            return None
+        return -(code & 0x7F) if code & 0x7F else (code >> 8) & 0xFF
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def die_with_parent() -> None:
+    """In the child: SIGKILL when the agent dies, so a lost node takes its workers along."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

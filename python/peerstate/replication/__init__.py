@@ -1,0 +1,2 @@
+"""Where state is copied to and how: buddy placement, data-parallel shares, the
+replication endpoint (one native server and transport per rank), nccl."""

@@ -1,0 +1,242 @@
+"""Buddy replication for one rank: serve the buddies' replicas, push this rank's
+snapshots to its holders, pull a lost rank's state back. One native server and
+one transport per rank serve and pull every store the rank keeps: its own state
+and, with data-parallel shares, the share it snapshots (``serve_share``).
+
+Wiring (one per rank, after the SnapshotStore is registered)::
+
+    repl = Replication(store, rank, placement, secret=job_secret, host="10.0.0.5")
+    publish(rank, repl.address)                       # e.g. through the job's TCPStore
+    repl.connect({r: address_of(r) for r in range(world)})
+    repl.reserve({r: bytes_per_version_of(r) for r in placement.served_by(rank)})
+    for step in ...:
+        store.snapshot(step).wait()
+        repl.replicate(step)                          # background; next snapshot waits for it
+
+A replacement for rank r registers the same buffers, then ``repl.recover(r)``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+from peerstate import _C
+from peerstate.errors import InvalidArgumentError
+from peerstate.replication.placement import BuddyPlacement
+from peerstate.state.snapshot import SnapshotStore
+
+Address = Tuple[str, int]
+
+
+class PullStats(NamedTuple):
+    """What one pull moved: the version, its chunks, and how many of them were read
+    straight from a same-machine holder's memory."""
+
+    version: int
+    chunks: int
+    chunks_from_memory: int
+
+
+class Replication:
+    """This rank's replication endpoint (server, transport and replicator).
+
+    Args:
+        store: this rank's SnapshotStore (checksums on).
+        rank: this rank.
+        placement: the job's BuddyPlacement (the same on every rank).
+        secret: the per-job secret (>= 16 bytes) every peer must prove it knows.
+        host: the address to listen on; loopback by default, never all
+            interfaces unless "0.0.0.0" is given.
+        port: 0 picks a free port.
+        connections_per_peer: parallel TCP connections to each peer.
+        replica_budget_bytes: bound on the replicas held here (default: half of RAM).
+        replica_device: hold the replicas in the memory of this CUDA device instead of
+            host memory (GPU nodes; give replica_budget_bytes too).
+        io_timeout: seconds a transfer step may take before it fails.
+    """
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        rank: int,
+        placement: BuddyPlacement,
+        *,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        connections_per_peer: int = 4,
+        replica_budget_bytes: Optional[int] = None,
+        replica_device: Optional[int] = None,
+        io_timeout: float = 30.0,
+    ) -> None:
+        if not store.native.checksums:
+            raise InvalidArgumentError("replication verifies every chunk: create the SnapshotStore with checksums=True")
+        self.store = store
+        self.rank = rank
+        self.placement = placement
+        self.host = host
+        io_ms = int(io_timeout * 1000)
+        self.replicas = _C.ReplicaStore(budget_bytes=replica_budget_bytes or 0,
+                                        device=-1 if replica_device is None else replica_device)
+        self.server = _C.TcpServer(self.replicas, store.native, secret=secret, rank=rank, host=host, port=port,
+                                   io_timeout_ms=io_ms)
+        self._transport_options = dict(secret=secret, rank=rank, connections_per_peer=connections_per_peer,
+                                       connect_timeout_ms=min(io_ms, 5000), io_timeout_ms=io_ms)
+        self._addresses: Dict[int, Address] = {}
+        # The last pull(): its chunks, and how many were read from a same-machine holder's memory.
+        self.last_pull = {"chunks": 0, "chunks_from_memory": 0}
+        self.transport = _C.TcpTransport(**self._transport_options)
+        self.replicator = _C.Replicator(store.native, self.transport, rank)
+        self._shares: Dict[int, SnapshotStore] = {}  # share -> the store this rank keeps it in
+        self._share_replicators: Dict[int, "_C.Replicator"] = {}
+        store.add_pre_snapshot_hook(self._wait_before_snapshot)
+
+    @property
+    def address(self) -> Address:
+        """Where this rank's replication server listens."""
+        return (self.host, self.server.port)
+
+    def connect(self, addresses: Dict[int, Address]) -> None:
+        """Tell the transport where every peer listens (connections open on first use)."""
+        for peer, (host, port) in addresses.items():
+            if peer != self.rank:
+                self._addresses[peer] = (host, port)
+                self.transport.add_peer(peer, host, port)
+
+    def abort_transfers(self) -> None:
+        """Fail every transfer in flight now (thread-safe; a recovery's first act).
+        The transport stays unusable until reset()."""
+        self.transport.abort()
+
+    def reset(self) -> None:
+        """After abort_transfers(): end the round in flight and start over with a fresh
+        transport (same peers; connect() replaces the addresses that changed). The
+        server and the replicas it holds are kept."""
+        self.transport.abort()
+        self._wait_in_flight()
+        self.transport = _C.TcpTransport(**self._transport_options)
+        self.replicator = _C.Replicator(self.store.native, self.transport, self.rank)
+        self._share_replicators = {share: _C.Replicator(store.native, self.transport, self.rank)
+                                   for share, store in self._shares.items()}
+        self.connect(self._addresses)
+
+    def serve_share(self, share: int, store: SnapshotStore) -> None:
+        """Serve data-parallel ``share``, kept in ``store``, from this rank's server, and
+        pull it into ``store`` with ``pull_share``. Data-parallel state has no buddies
+        (every rank keeps the same state): a share is never pushed. Idempotent."""
+        if self._shares.get(share) is store:
+            return
+        if share in self._shares:
+            raise InvalidArgumentError(f"data-parallel share {share} is already served from another store")
+        self.server.serve(1 + share, store.native)
+        self._shares[share] = store
+        self._share_replicators[share] = _C.Replicator(store.native, self.transport, self.rank)
+
+    def reserve(self, bytes_per_version: Dict[int, int]) -> None:
+        """Account the replicas this rank will hold (rank -> bytes of one version) against
+        its budget, now rather than mid-run. Raises BudgetExceededError."""
+        for source, nbytes in bytes_per_version.items():
+            self.replicas.reserve(source, nbytes)
+
+    def replicate(self, version: int) -> None:
+        """Send committed ``version`` to this rank's holders in the background.
+        Waits first for the previous round (at most one in flight)."""
+        self.replicator.replicate(version, self.placement.holders(self.rank))
+
+    def wait(self, version: int, *, check: bool = True) -> Dict[int, Optional[BaseException]]:
+        """Block until ``version``'s round ends; return holder -> None (committed there) or
+        the error. With ``check``, raise the first error."""
+        results = dict(self.replicator.wait(version))
+        if check:
+            for holder, error in results.items():
+                if error is not None:
+                    raise type(error)(f"replication of version {version} to rank {holder} failed: {error}")
+        return results
+
+    def pull(self, rank: int, version: int = -1, sources: Optional[List[int]] = None,
+             same_machine: Optional[Dict[int, Tuple[int, int]]] = None) -> int:
+        """Fetch ``rank``'s state (``version``, or the newest its first source has) from its
+        sources, chunks split among them, into this rank's store as a committed version
+        (replacing the store's copy of it, and any newer version, if it has one).
+        Does not restore it. Returns the version.
+
+        ``same_machine``: source -> (pid, region address of ``version`` there) for sources
+        on this machine: their chunks are read straight from their memory, and only what
+        that cannot provide (not permitted, process gone) travels over TCP."""
+        peers = self.placement.sources(rank) if sources is None else sources
+        group = set(self.placement.replica_group(rank))
+        local = same_machine or {}
+        pulled = self._pull(self.replicator, [(p, p if p in group else rank, 0) for p in peers], version, local,
+                            f"rank {rank}")
+        self.last_pull = {"chunks": pulled.chunks, "chunks_from_memory": pulled.chunks_from_memory}
+        return pulled.version
+
+    def pull_share(self, share: int, version: int, sources: List[int],
+                   same_machine: Optional[Dict[int, Tuple[int, int]]] = None) -> PullStats:
+        """Fetch ``version`` of data-parallel ``share`` from the members in ``sources``
+        (each serves its own copy of it) into the store ``serve_share`` gave, as
+        ``pull`` does. Thread-safe across shares."""
+        if share not in self._shares:
+            raise InvalidArgumentError(f"data-parallel share {share} is not kept here: serve_share() it first")
+        return self._pull(self._share_replicators[share], [(p, p, 1 + share) for p in sources], version,
+                          same_machine or {}, f"data-parallel share {share}")
+
+    def _pull(self, replicator: "_C.Replicator", sources: List[Tuple[int, int, int]], version: int,
+              same_machine: Dict[int, Tuple[int, int]], what: str) -> PullStats:
+        """(peer, rank asked for, store index) sources, peers on this machine read from memory."""
+        pulls = []
+        for peer, rank, store in sources:
+            if peer == self.rank:
+                continue
+            pid, region = same_machine.get(peer, (0, 0))
+            pulls.append(_C.PullSource(peer, rank, store=store, pid=pid, region=region))
+        if not pulls:
+            raise InvalidArgumentError(f"{what} has no source other than this rank")
+        return PullStats(*replicator.pull(pulls, version))
+
+    def recover(self, rank: int, version: int = -1, sources: Optional[List[int]] = None) -> int:
+        """pull() then restore into the registered buffers, without a second checksum
+        pass (every chunk was verified as it arrived). Returns the version restored."""
+        pulled = self.pull(rank, version, sources)
+        self.store.restore(pulled, verify=False)
+        return pulled
+
+    def drop_newer(self, version: int) -> None:
+        """After the job rolled back to ``version``: forget the replicas newer than it (of
+        the abandoned run), so that the re-run's versions, with the same numbers, land."""
+        self.replicas.drop_newer(version)
+
+    def holdings(self) -> Dict[int, int]:
+        """source rank -> the newest version committed here."""
+        return {source: max(versions) for source, versions in self.held_versions().items()}
+
+    def held_versions(self) -> Dict[int, List[int]]:
+        """source rank -> every version readable here: the newest, and the one before
+        it until an incoming version reuses its memory."""
+        held: Dict[int, List[int]] = {}
+        for source, version in self.replicas.committed():
+            held.setdefault(source, []).append(version)
+        return held
+
+    def close(self) -> None:
+        """Stop serving, abort transfers, wait for the round in flight."""
+        self.transport.abort()
+        self.server.stop()
+
+    def _wait_in_flight(self) -> None:
+        version = self.replicator.in_flight_version()
+        if version is not None:
+            self.replicator.wait(version)
+
+    def _wait_before_snapshot(self) -> None:
+        """The next snapshot may reuse the slot of any version but the newest committed
+        one: wait for the round in flight only when it sends an older version. The
+        usual round (the newest, started before optimizer.step()) then goes on during
+        the next step instead of holding up this step's end."""
+        version = self.replicator.in_flight_version()
+        if version is None:
+            return
+        native = self.store.native
+        versions = [*native.committed_versions(), native.in_flight_version()]
+        if version < max((v for v in versions if v is not None), default=version + 1):
+            self.replicator.wait(version)

@@ -1,0 +1,1 @@
+"""Tools around a job: local simulated jobs and the goodput model."""

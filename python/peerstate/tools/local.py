@@ -1,0 +1,133 @@
+"""Jobs on this one machine: simulated nodes for the demo, the benchmarks and the tests.
+
+``LocalJob`` starts one ``peerstate run`` agent per simulated node, all on
+127.0.0.1 (node 0 hosts the store on a port the kernel picks; the others
+learn it from node 0's first line). ``start_plain_workers`` starts a script
+the classic way, torch.distributed without peerstate, for restart baselines.
+Every process is started in its own session so that it can be killed whole.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from peerstate.control.timeline import read_events
+
+
+class LocalJob:
+    """``nodes``: (workers, spares) per simulated node; ``script``: the script and its
+    arguments; ``agent_args``: more ``peerstate run`` flags for every agent."""
+
+    def __init__(self, workdir: Path, nodes: Sequence[Tuple[int, int]], script: Sequence[str],
+                 agent_args: Sequence[str] = (), store_timeout: float = 60.0) -> None:
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.logs = self.dir / "logs"
+        self.agents: List[subprocess.Popen] = []
+        self.agent_logs: List[Path] = []
+        store = "127.0.0.1:0"
+        for index, (workers, spares) in enumerate(nodes):
+            log = self.dir / f"agent{index}.log"
+            self.agent_logs.append(log)
+            command = [sys.executable, "-m", "peerstate", "run", "--nnodes", str(len(nodes)), "--node-rank",
+                       str(index), "--store", store, "--nproc-per-node", str(workers), "--spares", str(spares),
+                       "--log-dir", str(self.logs), *agent_args, *script]
+            with open(log, "wb") as out:
+                self.agents.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                                    stdin=subprocess.DEVNULL, start_new_session=True))
+            if index == 0 and len(nodes) > 1:
+                store = self.wait_for(lambda: re.search(r"store at (\S+)", log.read_text()), "node 0's store",
+                                      store_timeout).group(1)
+
+    def worker_logs(self) -> List[Path]:
+        return sorted(self.logs.glob("n*.log"))
+
+    def text(self) -> str:
+        """Every worker's output so far."""
+        return "".join(p.read_text(errors="replace") for p in self.worker_logs())
+
+    def events(self, kind: Optional[str] = None) -> List[dict]:
+        path = self.logs / "events.jsonl"
+        if not path.exists():
+            return []
+        found = read_events(str(path))
+        return [e for e in found if kind is None or e["event"] == kind]
+
+    def wait_for(self, predicate: Callable[[], object], what: str, timeout: float = 90.0):
+        """Poll ``predicate`` until it returns something true; TimeoutError or
+        RuntimeError (every agent exited) otherwise."""
+        return wait_until(predicate, what, timeout, self.agents)
+
+    def wait(self, timeout: float = 300.0, tick: Optional[Callable[[], None]] = None) -> List[int]:
+        """Every agent's exit code (``tick`` is called while waiting)."""
+        deadline = time.monotonic() + timeout
+        while any(a.poll() is None for a in self.agents):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the job did not end within {timeout:.0f}s")
+            if tick:
+                tick()
+            time.sleep(0.1)
+        return [a.returncode for a in self.agents]
+
+    def kill_node(self, index: int) -> None:
+        os.killpg(self.agents[index].pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Kill every agent still running (their workers and spares die with them)."""
+        for agent in self.agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout: float,
+               processes: Sequence[subprocess.Popen], interval: float = 0.02):
+    """Poll ``predicate`` until it returns something true and return that;
+    RuntimeError once every one of ``processes`` exited, TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if processes and all(p.poll() is not None for p in processes):
+            raise RuntimeError(f"the job ended while waiting for {what}")
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_plain_workers(script: Sequence[str], world_size: int, log_prefix: Path,
+                        env: Optional[Dict[str, str]] = None) -> List[subprocess.Popen]:
+    """``world_size`` processes of ``script`` with torchrun's environment (rank 0 hosts
+    the rendezvous on a free port); rank r writes ``{log_prefix}.rank{r}.log``."""
+    port = free_port()
+    processes = []
+    for rank in range(world_size):
+        variables = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                         TORCH_CPP_LOG_LEVEL="ERROR", GLOO_SOCKET_IFNAME="lo", **(env or {}))
+        with open(f"{log_prefix}.rank{rank}.log", "wb") as log:
+            processes.append(subprocess.Popen([sys.executable, *script], env=variables, stdout=log,
+                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              start_new_session=True))
+    return processes
+
+
+def kill_all(processes: Sequence[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

@@ -1,0 +1,1 @@
+"""The worker's side of a job: ``Job`` and the parts it is built from."""

@@ -1,0 +1,357 @@
+"""The worker's side of a peerstate job: join, train, and turn failures into recoveries.
+
+The whole integration with a training loop::
+
+    job = peerstate.Job()
+    model = Net(); optimizer = torch.optim.AdamW(model.parameters())
+    job.track(model=model, optimizer=optimizer, scheduler=scheduler)  # a hot spare waits here
+    ddp = job.ddp(model)                        # DistributedDataParallel, rebuilt after a recovery
+    for step in job.steps(1000):                # resumes at v+1 after a recovery
+        with job.guard():                       # a failure in here becomes a recovery
+            loss = loss_fn(ddp(batch(step)))
+            optimizer.zero_grad(); loss.backward(); optimizer.step()
+    job.close()
+
+What happens at each step boundary (the end of ``guard``): the step's state
+is snapshotted as version ``step`` in the background, and the copy overlaps
+the next step's forward and backward; ``optimizer.step()`` of the next step
+waits for it (a pre-step hook) and then starts replicating it to the buddies,
+which overlaps the rest of that step. Small state (RNG states, scheduler,
+extras) is captured eagerly at the boundary.
+
+What happens on a failure: the agent writes a plan for a new epoch; this
+worker's watcher thread sees it within milliseconds and aborts the process
+group and the replication transfers, so the loop's blocked call fails into
+``guard``. The next turn of ``steps()`` then joins the new epoch: members
+report what they hold, agree on the recovery point v (the newest version held
+for every rank), re-form the process group, roll back to v (survivors from
+their own snapshot, the replacement by pulling it from the buddies; with
+``data_parallel=True`` everyone also pulls the data-parallel shares it does
+not snapshot itself), rebuild DDP and go on at step v+1, bit for bit the run
+that never failed.
+
+A hot spare runs the same script: ``Job()`` returns at once, the model and
+optimizer are built ahead of time, and ``track()`` registers and allocates
+everything and then waits for a rank (``job.rank`` is None until then), so a
+replacement only has to pull its state. Code before ``track()`` must not
+depend on the rank.
+
+Data is addressed by step: the loop must draw batch ``step`` from the step
+number (or from a loader given to ``track``, whose ``state_dict`` is captured),
+so that a replayed step sees the same data.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+from peerstate.control import keys
+from peerstate.control.coordinator import Coordinator
+from peerstate.control.environment import WorkerEnvironment
+from peerstate.control.kvstore import TorchKeyValueStore
+from peerstate.control.messages import RecoveryPlan
+from peerstate.control.progress import ProgressCounter
+from peerstate.control.timeline import EventLog
+from peerstate.errors import InvalidArgumentError, JobFailedError
+from peerstate.replication.endpoint import Replication
+from peerstate.replication.placement import BuddyPlacement, DataParallelShares
+from peerstate.worker.abort import AbortHandler
+from peerstate.worker.checkpoint import DiskCheckpoints
+from peerstate.worker.joiner import EpochJoiner, Superseded
+from peerstate.worker.membership import EpochWatcher, Membership, MemberState
+from peerstate.worker.process_groups import ProcessGroups, Subgroup
+from peerstate.worker.rebuild import DistributedWrappers, RebuildableDDP
+from peerstate.worker.report import RecoveryReport
+from peerstate.worker.restorer import Restorer
+from peerstate.worker.step_boundary import StepBoundary, StepGuard
+from peerstate.worker.tracked_state import TrackedState
+
+
+class Job:
+    """This process's membership in a peerstate job (see the module docstring).
+
+    Args:
+        snapshot_every: snapshot (and replicate) every N steps; a failure costs at
+            most N steps of work.
+        versions: snapshot versions kept per rank, >= 4. A member's newest version
+            (in flight) can be 3 ahead of the newest that another rank's buddy
+            surely committed: that rank pushes v at the optimizer step of v+1,
+            after waiting there for the push of v-1, so while it is inside step
+            v+2 (which the member may have finished) only v-1 is certain. The
+            member must then still hold v-1 to roll back to it.
+        k: copies of each rank's state on other ranks.
+        backend: "gloo" or "nccl" (default: nccl when CUDA is available).
+        checkpoint_dir: where a disk checkpoint (torch.distributed.checkpoint) is
+            written every ``checkpoint_every`` steps, the fallback when a failure
+            takes every copy of some rank's state.
+        join_timeout: seconds to wait for every member while joining an epoch.
+        failure_grace: seconds an error in the loop may wait for the coordinator to
+            declare a failure before it is treated as a bug and raised.
+        abort_timeout: seconds the training loop may take, after a failure aborted
+            the groups, to leave the call it is in and start the recovery. Past it
+            this process exits with ``ABORT_DEADLINE_EXIT_CODE`` and a spare takes
+            its rank: the last resort against a call no abort can wake (a kernel
+            that never returns, a blocking call outside peerstate's groups).
+            Shorter than ``join_timeout``; longer than the loop ever runs
+            between two collectives. With gloo, collectives also time out after
+            ``abort_timeout / 2`` (a send gloo was writing when its peer died
+            waits for that timeout whatever the abort does; see
+            ``process_groups``): raise it if ranks wait longer on each other.
+            And a gloo group is created under ``abort_timeout / 10``: a member
+            that dies inside the re-forming holds the others up to five times
+            that (gloo's connect wait), again ``abort_timeout / 2``.
+        data_parallel_shares: with ``track(data_parallel=True)``, how many shares the
+            data-parallel state is split into for snapshots (``DataParallelShares``):
+            the i-th rank of a node snapshots share i % shares. Default: one share
+            per rank of a node when the job has two nodes or more (each node keeps
+            one full copy), else 1 (every rank keeps a full copy). Fewer bytes per
+            step per rank; a recovery pulls the shares a rank lacks. Also read
+            from ``PEERSTATE_DATA_PARALLEL_SHARES``.
+        replica_budget_bytes, snapshot_threads: passed to the stores.
+    """
+
+    def __init__(self, *, snapshot_every: int = 1, versions: int = 4, k: int = 1, backend: Optional[str] = None,
+                 checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, join_timeout: float = 120.0,
+                 failure_grace: float = 30.0, replica_budget_bytes: Optional[int] = None,
+                 snapshot_threads: Optional[int] = None, abort_timeout: float = 60.0,
+                 data_parallel_shares: Optional[int] = None) -> None:
+        if not 0 < abort_timeout < join_timeout:
+            raise InvalidArgumentError(f"abort_timeout must be positive and shorter than join_timeout, which the "
+                                       f"other members wait for this one (got {abort_timeout} and {join_timeout})")
+        if snapshot_every < 1 or versions < 4:
+            raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 4 (got {snapshot_every}, "
+                                       f"{versions}): fewer versions can leave no step that every rank still holds")
+        if checkpoint_every and not checkpoint_dir:
+            raise InvalidArgumentError("checkpoint_every needs a checkpoint_dir")
+        import torch
+
+        self._env = env = WorkerEnvironment.from_env()
+        self.world_size, self.worker = env.world_size, env.worker
+        self.join_timeout, self.abort_timeout = join_timeout, abort_timeout
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self._replica_budget_bytes = replica_budget_bytes
+        self.events = EventLog(env.events, env.worker)
+        self.kv = TorchKeyValueStore(env.store_host, env.store_port, timeout=join_timeout)
+        self.coordinator = Coordinator(self.kv)
+        nodes = [r // env.nproc_per_node for r in range(env.world_size)]
+        self.placement = BuddyPlacement(nodes, k=k)
+        if data_parallel_shares is None and os.environ.get("PEERSTATE_DATA_PARALLEL_SHARES"):
+            data_parallel_shares = int(os.environ["PEERSTATE_DATA_PARALLEL_SHARES"])
+        if data_parallel_shares is None:
+            data_parallel_shares = env.nproc_per_node if len(set(nodes)) > 1 else 1
+        self.shares = DataParallelShares(nodes, data_parallel_shares)
+        self.progress = ProgressCounter(env.progress) if env.progress else None
+        if self.progress:
+            self.progress.start_ticking()
+        self._secret = env.secret or bytes.fromhex(self.kv.get(keys.JOB_SECRET).decode())
+        # gloo: a collective or a rendezvous that no abort wakes fails on its own well
+        # before the deadline (the members reach form() together: a join is a barrier).
+        self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,
+                                    connect_timeout=abort_timeout / 10)
+        self.membership = Membership(env.worker, spare=env.spare)
+        self.tracked = TrackedState(self.shares, versions, snapshot_threads)
+        checkpoints = DiskCheckpoints(self.tracked, checkpoint_dir or env.checkpoint_dir,
+                                      checkpoint_every or env.checkpoint_every)
+        self.report = RecoveryReport(self.kv, self.coordinator, self.events, env.events, env.world_size)
+        self.boundary = StepBoundary(self.tracked, self.kv, self.placement, checkpoints, self.report, self.progress,
+                                     snapshot_every, join_timeout)
+        self.restorer = Restorer(self.membership, self.tracked, checkpoints, self.report)
+        self.wrappers = DistributedWrappers(self.kv)
+        self.joiner = EpochJoiner(self.membership, self.kv, self.coordinator, self.groups, self.tracked,
+                                  self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,
+                                  self.placement, self.shares, env.world_size, join_timeout, failure_grace)
+        self.aborts = AbortHandler(self.membership, [self.groups.abort, self._abort_transfers], self.events,
+                                   abort_timeout, on_abort=self.report.marks.clear)
+        self.replication: Optional[Replication] = None
+        self.watcher: Optional[EpochWatcher] = None
+        self._guard: Optional[StepGuard] = None  # the current step's
+        atexit.register(self.close)  # an exception out of the loop still stops the threads in order
+        if env.spare:
+            _warm_up()
+        else:
+            self.kv.wait([keys.epoch_plan(0)], timeout=join_timeout)
+            self._become_member(self.coordinator.plan(0), env.rank)
+
+    # -- what the script reads -----------------------------------------------------
+    @property
+    def rank(self) -> Optional[int]:
+        """This process's rank (None while a spare waits for one)."""
+        return self.membership.rank
+
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch
+
+    @property
+    def next_step(self) -> int:
+        """The step the loop runs next."""
+        return self.joiner.next_step
+
+    @property
+    def recoveries(self) -> int:
+        return self.joiner.recoveries
+
+    @property
+    def capture(self) -> bool:
+        """False: steps are not snapshotted (for overhead measurements only)."""
+        return self.boundary.capture
+
+    @capture.setter
+    def capture(self, value: bool) -> None:
+        self.boundary.capture = value
+
+    # -- the loop --------------------------------------------------------------------
+    def ddp(self, model: Any, **options: Any) -> RebuildableDDP:
+        """Wrap ``model`` in DistributedDataParallel; the job rebuilds it on every
+        re-formed group. A replacement skips DDP's initial broadcast: its state
+        arrives from the buddies."""
+        self.wait_for_rank()
+        return self.wrappers.wrap(model, options, self.epoch, self.membership.replacement, self.join_timeout)
+
+    def new_group(self, ranks: Sequence[int], **options: Any) -> Subgroup:
+        """Declare a process group over some ranks (``torch.distributed.new_group``'s
+        ``ranks`` and options): peerstate aborts it with the default group when a
+        failure hits and forms it again in every epoch. Every process calls it, in
+        the same order, before ``track()`` (a spare too: it forms its subgroups when
+        it is given a rank). Pass ``subgroup.group`` to collectives."""
+        if self.tracked.tracking:
+            raise InvalidArgumentError("declare subgroups with new_group() before track(): a hot spare waits in "
+                                       "track(), and every process must declare the same groups in the same order")
+        ranks = list(ranks)
+        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise InvalidArgumentError(f"new_group() needs distinct ranks in [0, {self.world_size}), got {ranks}")
+        subgroup = Subgroup(ranks, options)
+        self.groups.add(subgroup, self.join_timeout)
+        return subgroup
+
+    def track(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, loader: Any = None,
+              extras: Optional[Mapping[str, Any]] = None, data_parallel: bool = False) -> None:
+        """Say what the training state is. ``scheduler``, ``loader`` and each of
+        ``extras`` need ``state_dict()``/``load_state_dict()``; the RNG states of
+        Python, NumPy, torch and CUDA are always captured.
+
+        Optimizer state appears at the first step, so a worker registers it at the
+        first step boundary. A hot spare runs the script up to here ahead of time:
+        it materialises the optimizer state, registers and allocates everything,
+        and only then waits for a rank, so code before ``track()`` must not depend
+        on the rank. Once given one it pulls the state and returns.
+
+        ``data_parallel=True`` says that model, optimizer and scheduler state are the
+        same on every rank (DistributedDataParallel): they are then not replicated;
+        each rank snapshots its share of them (``data_parallel_shares``), and a rank
+        that recovers pulls the shares it lacks from the surviving ranks' own
+        snapshots (no replication traffic, no extra memory). Only each rank's own
+        state (RNG, loader, extras) goes to its buddies."""
+        self.tracked.track(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
+                           extras=extras or {}, data_parallel=data_parallel)
+        self.wrappers.model = model
+        if self.membership.needs_state:
+            if optimizer is not None and not optimizer.state:
+                from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+                _init_optim_state(optimizer)
+            self.tracked.register(self.rank)  # allocates too: a recovery should not fault memory in
+            if self.replication is not None:
+                self.boundary.replication_serves_shares()
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(lambda *_: self.boundary.start_replication())
+        self.wait_for_rank()
+        if self.restorer.pending is not None:
+            self.restorer.restore_pending()
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step numbers from where the job stands to ``total`` - 1, recovering
+        between steps when a failure was caught by ``guard``."""
+        while True:
+            if self.membership.state is MemberState.RECOVERING or self.watcher.latest.epoch != self.epoch:
+                self.joiner.recover()
+            if self.next_step >= total:
+                break
+            self._guard = None
+            yield self.next_step
+            if self._guard is None and self.membership.state is not MemberState.RECOVERING:
+                raise InvalidArgumentError("wrap the body of the steps() loop in `with job.guard():`")
+        self.membership.move(MemberState.FINISHED)
+        self.boundary.drain()
+        self.report.finish(total, self.epoch)
+
+    def guard(self) -> StepGuard:
+        """Context manager for one step's body: a failure inside becomes a recovery."""
+        self._guard = StepGuard(self.joiner, self.boundary, self.membership, self.events)
+        return self._guard
+
+    def wait_for_rank(self) -> int:
+        """A spare: block until a plan gives this process a rank (a worker returns at
+        once). Call it before building anything that needs the process group, such
+        as FSDP2's ``fully_shard``; the spare is then less ready (it builds its model
+        after being picked). Returns the rank."""
+        if self.rank is not None:
+            return self.rank
+        self.coordinator.register_spare(self.worker)
+        self.events.write("spare_ready")
+        key = keys.assignment(self.worker)
+        while True:
+            try:
+                self.kv.wait([key], timeout=5.0)
+                break
+            except TimeoutError:
+                if self.coordinator.failure():
+                    raise JobFailedError(f"the job stopped while this spare waited: {self.coordinator.failure()}")
+        assignment = json.loads(self.kv.get(key))
+        self.events.write("spare_assigned", **assignment)
+        self._become_member(self.coordinator.plan(assignment["epoch"]), assignment["rank"])
+        return self.rank
+
+    # -- membership ------------------------------------------------------------------
+    def _become_member(self, plan: RecoveryPlan, rank: int) -> None:
+        """Take ``rank`` in ``plan``'s epoch (or a newer one) and join it."""
+        self.membership.rank = self.boundary.rank = rank
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % self._env.nproc_per_node),
+                          GROUP_RANK=str(self._env.node))
+        self.replication = Replication(self.tracked.own, rank, self.placement, secret=self._secret,
+                                       host=self._env.host, replica_budget_bytes=self._replica_budget_bytes)
+        self.joiner.replication = self.restorer.replication = self.boundary.replication = self.replication
+        self.boundary.replication_serves_shares()  # a spare registered its share stores before its rank
+        self.watcher = self.joiner.watcher = EpochWatcher(self.kv.clone(), plan, self.aborts.on_new_epoch)
+        try:
+            self.joiner.join(plan)
+        except Superseded:
+            self.joiner.recover()
+
+    def _abort_transfers(self, epoch: int) -> None:
+        self.replication.abort_transfers()
+
+    def close(self) -> None:
+        """Stop watching, serving and snapshotting (call once the loop is done)."""
+        if self.membership.state is MemberState.CLOSED:
+            return
+        self.membership.move(MemberState.CLOSED)
+        if self.progress:
+            self.progress.finish()  # shutting down takes a while: not a hang
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.replication is not None:
+            self.replication.close()
+        self.wrappers.close()
+        self.groups.destroy()
+        self.tracked.close()
+        if self.progress:
+            self.progress.close()
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _warm_up() -> None:
+    """What a spare does while it waits: import what the first optimizer (torch._dynamo,
+    about a second), DDP and checkpointing import lazily, so a replacement starts warm."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.nn.parallel  # noqa: F401

@@ -1,0 +1,132 @@
+"""A worker's membership in the job: its lifecycle as an explicit state, its
+rank and epoch, and the watcher that learns of each new epoch."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Callable, Dict, FrozenSet, Optional
+
+from peerstate.control import keys
+from peerstate.control.kvstore import KeyValueStore
+from peerstate.control.messages import RecoveryPlan
+from peerstate.errors import InternalError
+
+
+class MemberState(enum.Enum):
+    SPARE = "spare"              # waiting for a rank
+    JOINING = "joining"          # the main thread is joining an epoch (the first, or a recovery)
+    NEEDS_STATE = "needs state"  # joined as a replacement; its state is pulled once track() registered it
+    ACTIVE = "active"            # in the training loop, holding the recovery point's state or newer
+    RECOVERING = "recovering"    # a failure interrupted a step; the loop will join the next epoch
+    FINISHED = "finished"        # the loop is done; the last round of replication drains
+    CLOSED = "closed"
+
+
+_ALLOWED: Dict[MemberState, FrozenSet[MemberState]] = {
+    MemberState.SPARE: frozenset({MemberState.JOINING}),
+    MemberState.JOINING: frozenset({MemberState.JOINING, MemberState.ACTIVE, MemberState.NEEDS_STATE}),
+    MemberState.NEEDS_STATE: frozenset({MemberState.ACTIVE, MemberState.JOINING}),
+    MemberState.ACTIVE: frozenset({MemberState.RECOVERING, MemberState.JOINING, MemberState.FINISHED}),
+    MemberState.RECOVERING: frozenset({MemberState.JOINING}),
+    MemberState.FINISHED: frozenset(),
+    MemberState.CLOSED: frozenset(),
+}
+
+
+def allowed(current: MemberState, new: MemberState) -> bool:
+    """Whether a member may go from ``current`` to ``new`` (any state may close)."""
+    return new is MemberState.CLOSED or new in _ALLOWED[current]
+
+
+class Membership:
+    """This process's rank, epoch and lifecycle state. ``lock`` orders the
+    watcher's aborts with the main thread's joins of epochs (see ``AbortHandler``)."""
+
+    def __init__(self, worker: str, spare: bool) -> None:
+        self.worker = worker
+        self.state = MemberState.SPARE if spare else MemberState.JOINING
+        self.rank: Optional[int] = None
+        self.epoch = -1
+        self.replacement = spare  # joined to take a failed rank's place (its state comes from peers)
+        self.lock = threading.Lock()
+        self._joining_without_state = False  # JOINING's part of needs_state
+
+    def move(self, new: MemberState) -> None:
+        """Go to ``new``; InternalError for a transition the lifecycle does not allow."""
+        if self.state is new:
+            return
+        if not allowed(self.state, new):
+            raise InternalError(f"peerstate bug: a member cannot go from {self.state.value} to {new.value}")
+        self.state = new
+
+    @property
+    def needs_state(self) -> bool:
+        """It holds none of the job's state yet: a spare, a replacement not yet
+        restored, or one joining (again, after a superseded epoch) before its restore."""
+        if self.state is MemberState.JOINING:
+            return self._joining_without_state
+        return self.state in (MemberState.SPARE, MemberState.NEEDS_STATE)
+
+    def begin_join(self) -> bool:
+        """Enter JOINING (from any state that may); returns whether it joins without state."""
+        without = self.needs_state
+        self.move(MemberState.JOINING)
+        self._joining_without_state = without
+        return without
+
+    def restored(self) -> None:
+        """Its state is at the recovery point now (pulled, or loaded from a checkpoint)."""
+        if self.state is MemberState.JOINING:
+            self._joining_without_state = False
+        elif self.state is MemberState.NEEDS_STATE:
+            self.move(MemberState.ACTIVE)
+
+    def end_join(self) -> None:
+        """The join is done: ACTIVE if it holds the recovery point's state, else
+        NEEDS_STATE until ``restored()``."""
+        self.move(MemberState.NEEDS_STATE if self._joining_without_state else MemberState.ACTIVE)
+        self._joining_without_state = False
+
+
+class EpochWatcher:
+    """Blocks on the next epoch's plan key (its own store connection) and calls
+    ``on_epoch(plan)`` from its thread the moment the plan appears."""
+
+    def __init__(self, kv: KeyValueStore, plan: RecoveryPlan, on_epoch: Callable[[RecoveryPlan], None]) -> None:
+        self._kv = kv
+        self._latest = plan
+        self._on_epoch = on_epoch
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peerstate-epoch-watcher", daemon=True)
+        self._thread.start()
+
+    @property
+    def latest(self) -> RecoveryPlan:
+        with self._changed:
+            return self._latest
+
+    def wait_newer(self, epoch: int, timeout: float) -> bool:
+        """True once an epoch newer than ``epoch`` is known (False after ``timeout``)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._latest.epoch > epoch, timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            key = keys.epoch_plan(self._latest.epoch + 1)
+            try:
+                self._kv.wait([key], timeout=1.0)
+                plan = RecoveryPlan.decode(self._kv.get(key))
+            except TimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 - the store went away: the job is over
+                return
+            with self._changed:
+                self._latest = plan
+                self._changed.notify_all()
+            self._on_epoch(plan)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3.0)

@@ -1,0 +1,262 @@
+"""The training's process groups, formed per epoch and abortable from any thread.
+
+Forming: ``torch.distributed.init_process_group`` over the job's TCPStore under
+the prefix ``keys.process_group_prefix(epoch)``, so a re-formed group never reads the keys of the
+group it replaces; then every declared ``Subgroup`` (``Job.new_group``), in
+declaration order, with ``torch.distributed.new_group``.
+
+Aborting, so that a training loop blocked in a collective fails at once:
+- NCCL: ``ProcessGroup.abort()`` (``ncclCommAbort``) of every group, inside
+  one NCCL group call as torch's own abort-all does (separate aborts can
+  deadlock each other: pytorch#119797).
+- gloo: ``abort()`` exists but does not wake a collective already blocked on a
+  peer (torch 2.13: the call returns and the collective still waits for its
+  timeout). What does work is ``shutdown(2)`` on the group's connected sockets:
+  the blocked read fails at once with "Connection closed by peer", here and on
+  the peers at the other end. The sockets are the ones ``init_process_group``
+  opened (gloo connects its full mesh eagerly); they are recognised by inode,
+  so a reused descriptor number is never touched, and listening sockets are
+  left alone (gloo treats a failed accept() as fatal). The sockets of declared
+  subgroups are collected the same way as they form. Groups created with
+  ``torch.distributed.new_group`` directly (or by a multi-dimensional
+  ``DeviceMesh``) are not known here, so not aborted: declare them with
+  ``Job.new_group``.
+- A rendezvous in progress (a member died after it reported): the group is
+  formed through its own store connection, whose socket is shut down the
+  same way, so ``init_process_group`` fails at once instead of waiting out the
+  store's timeout.
+
+One gloo rendezvous step no abort can wake: a member that published its
+address and died before connecting. gloo picks one side of each pair to
+connect (by address order); the other waits for it in
+``Pair::waitUntilConnected`` for five times the group's timeout, and nothing
+can end that wait (there is no socket yet to shut down). So a gloo group is
+created under ``connect_timeout`` and given its real timeout once formed. That
+is safe because form() is only called when every member has reported for the
+epoch (``Job``'s join is a barrier): the members reach it together, and
+forming takes milliseconds; a member that dies in between costs the others
+at most five times ``connect_timeout``.
+
+One gloo collective no abort can wake: a send still being written when its
+peer dies. gloo's tcp transport keeps a partly written send in the pair's
+transmit queue. A write that meets EPIPE or ECONNRESET is not an error there,
+and when the pair then fails on a read, ``Pair::signalException`` wakes the
+pair's pending sends and receives but not the sends in that queue. The
+collective waits in ``UnboundBuffer::waitSend`` for its timeout, whatever is
+shut down (seen in the demo after a node loss: a ring allreduce's send to a
+killed rank). So gloo groups get ``collective_timeout``, shorter than the
+Job's abort deadline: such a collective fails on its own, and its rank
+recovers with its state, instead of exiting at the deadline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+from peerstate.control import keys
+from peerstate.errors import AbortedError, InvalidArgumentError
+from peerstate.errors import TimeoutError as PeerstateTimeoutError
+
+
+def _open_sockets() -> Iterator[Tuple[int, str]]:
+    """(descriptor, "socket:[inode]") for every socket this process has open now."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (or the listdir's own descriptor)
+        if link.startswith("socket:"):
+            yield int(fd), link
+
+
+def _socket_inodes() -> Set[str]:
+    return {inode for _, inode in _open_sockets()}
+
+
+class Subgroup:
+    """A process group over some of the ranks that peerstate aborts with the
+    default group on a failure and forms again in every epoch (``Job.new_group``)."""
+
+    def __init__(self, ranks: Sequence[int], options: Dict[str, Any]) -> None:
+        self.ranks = list(ranks)
+        self.options = options
+        self._group: Any = None
+
+    @property
+    def group(self) -> Any:
+        """The current epoch's ``ProcessGroup`` (torch's non-member marker on a rank
+        outside ``ranks``). Read it at each use: a recovery replaces it."""
+        if self._group is None:
+            raise InvalidArgumentError(
+                f"the subgroup over ranks {self.ranks} is not formed: this process has no rank yet (a spare "
+                "waiting in track()) or its epoch's groups are being re-formed")
+        return self._group
+
+
+class ProcessGroups:
+    """The default process group of the current epoch, and the declared subgroups."""
+
+    def __init__(self, backend: str, collective_timeout: Optional[float] = None,
+                 connect_timeout: Optional[float] = None) -> None:
+        """gloo only (NCCL ignores both):
+
+        ``collective_timeout``: seconds a collective may wait; declared subgroups whose
+        options set their own timeout keep it. None: the ``timeout`` given to form().
+
+        ``connect_timeout``: the timeout the groups of form() are created under; a pair
+        whose peer died mid-rendezvous waits five times this. Only for members that
+        reach form() together (see the module docstring). None: form()'s ``timeout``."""
+        self.backend = backend
+        self.collective_timeout = collective_timeout
+        self.connect_timeout = connect_timeout
+        self.epoch: Optional[int] = None
+        self._subgroups: List[Subgroup] = []
+        self._sockets: Set[str] = set()
+        self._forming: Set[str] = set()   # the rendezvous connection while form() runs
+        self._abort_epoch = -1             # the newest epoch that asked for an abort
+        self._lock = threading.Lock()
+
+    def form(self, torch_store, epoch: int, rank: int, world_size: int, timeout: float) -> None:
+        """Join the epoch's group (blocks until every rank joins, ``timeout``, or an
+        abort for a newer epoch: then AbortedError). With gloo, a member that dies in
+        the rendezvous can hold it up to five times ``connect_timeout`` past the abort."""
+        import torch.distributed as dist
+
+        self.destroy()
+        before = _socket_inodes()
+        rendezvous = torch_store.clone()
+        with self._lock:
+            if self._abort_epoch > epoch:
+                raise AbortedError(f"epoch {self._abort_epoch} began before the group of epoch {epoch} formed")
+            self._forming = _socket_inodes() - before
+        # torch names the default group after a per-process counter, reset only when a
+        # formed group is destroyed: a rendezvous aborted part way leaves it counted up,
+        # and this rank would then wait under another name than a fresh spare's.
+        dist.distributed_c10d._world.group_count = 0
+        connect = timeout if self.backend != "gloo" or self.connect_timeout is None else self.connect_timeout
+        try:
+            prefixed = dist.PrefixStore(keys.process_group_prefix(epoch), rendezvous)
+            dist.init_process_group(self.backend, store=prefixed, rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=connect))
+            self._set_wait(dist.distributed_c10d._get_default_group(), self.collective_timeout or timeout)
+            for subgroup in self._subgroups:
+                self._form_subgroup(subgroup, timeout, connect)
+        except Exception as error:  # noqa: BLE001 - torch raises several types for a missed rendezvous
+            with self._lock:
+                self._forming = set()
+                if self._abort_epoch > epoch:
+                    raise AbortedError(f"epoch {self._abort_epoch} began while the group of epoch {epoch} "
+                                       "formed") from None
+            raise PeerstateTimeoutError(
+                f"forming the process group of epoch {epoch} failed within {timeout:.0f}s: {error}") from None
+        with self._lock:
+            self._forming = set()
+            self.epoch = epoch
+            self._sockets = _socket_inodes() - before if self.backend == "gloo" else set()
+
+    def add(self, subgroup: Subgroup, timeout: float) -> None:
+        """Declare ``subgroup``: formed now if this epoch's group is, and in every form()."""
+        self._subgroups.append(subgroup)
+        if self.epoch is None:
+            return  # a spare: formed with its first epoch
+        before = _socket_inodes()
+        self._form_subgroup(subgroup, timeout, timeout)  # the ranks call add() at their own pace
+        with self._lock:
+            if self.backend == "gloo":
+                self._sockets |= _socket_inodes() - before
+
+    def _form_subgroup(self, subgroup: Subgroup, timeout: float, connect: float) -> None:
+        """Create ``subgroup`` under ``connect`` (gloo); then its collectives wait for the
+        subgroup's own timeout, else ``collective_timeout``, else ``timeout``."""
+        import torch.distributed as dist
+
+        own = subgroup.options.get("timeout")
+        if self.backend == "gloo":
+            wait = own.total_seconds() if own is not None else self.collective_timeout or timeout
+            subgroup._group = dist.new_group(subgroup.ranks, **{**subgroup.options,
+                                                                "timeout": datetime.timedelta(seconds=connect)})
+            if not dist.distributed_c10d._rank_not_in_group(subgroup._group):
+                self._set_wait(subgroup._group, wait)
+        else:
+            subgroup._group = dist.new_group(subgroup.ranks,
+                                             **{"timeout": datetime.timedelta(seconds=timeout), **subgroup.options})
+
+    def _set_wait(self, group: Any, seconds: float) -> None:
+        """How long ``group``'s gloo collectives wait (see the module docstring)."""
+        if self.backend == "gloo":
+            import torch.distributed as dist
+
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+    def abort(self, new_epoch: int) -> None:
+        """Make every collective of these groups, or their rendezvous, fail now because
+        ``new_epoch`` began (thread-safe, idempotent, never blocks long). An abort that
+        comes after the group of ``new_epoch`` (or a later one) formed does nothing: the
+        group it was meant for is gone already."""
+        with self._lock:
+            if self.epoch is not None and self.epoch >= new_epoch:
+                return
+            self._abort_epoch = max(self._abort_epoch, new_epoch)
+            if self._forming:
+                _shutdown(self._forming)
+            if self.epoch is None:
+                return
+            if self.backend == "gloo":
+                _shutdown(self._sockets)
+                return
+        import torch
+        import torch.distributed as dist
+
+        world = dist.distributed_c10d._world
+        try:
+            groups = sorted(world.pg_names, key=lambda g: world.pg_names[g], reverse=True)  # as torch's abort-all
+            nccl = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
+            nccl._group_start()
+        except Exception:  # noqa: BLE001 - destroyed meanwhile, or no NCCL backend to group the aborts
+            groups, nccl = list(world.pg_names), None
+        try:
+            for group in groups:
+                try:
+                    group.abort()
+                except Exception:  # noqa: BLE001 - already destroyed or aborted
+                    pass
+        finally:
+            if nccl is not None:
+                nccl._group_end()
+
+    def destroy(self) -> None:
+        """Tear the groups down (main thread, after abort())."""
+        import torch.distributed as dist
+
+        with self._lock:
+            self.epoch = None
+            self._sockets = set()
+        for subgroup in self._subgroups:
+            subgroup._group = None
+        if dist.is_initialized():
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # noqa: BLE001 - fall back to the plain teardown
+                dist.destroy_process_group()
+
+
+def _shutdown(inodes: Set[str]) -> None:
+    """shutdown(2) the connected sockets among ``inodes`` (listening ones are left alone)."""
+    for fd, inode in _open_sockets():
+        if inode not in inodes:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already shut down by the peer
+        finally:
+            sock.close()  # closes the dup only; the owner's descriptor stays valid

@@ -1,0 +1,162 @@
+"""The step boundary: what happens at the end of each guarded step (snapshot,
+checkpoint, accounting), and before the next ``optimizer.step()`` (the
+snapshot must be complete; its replication starts)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from peerstate.control import keys
+from peerstate.control.kvstore import KeyValueStore
+from peerstate.control.progress import ProgressCounter
+from peerstate.control.timeline import EventLog
+from peerstate.replication.endpoint import Replication
+from peerstate.replication.placement import BuddyPlacement
+from peerstate.worker.checkpoint import DiskCheckpoints
+from peerstate.worker.membership import MemberState, Membership
+from peerstate.worker.report import RecoveryReport
+from peerstate.worker.tracked_state import TrackedState
+
+if TYPE_CHECKING:
+    from peerstate.worker.joiner import EpochJoiner
+
+
+def publish_size(kv: KeyValueStore, rank: int, tracked: TrackedState) -> None:
+    """Publish the bytes of one version of this rank's own state, for its holders."""
+    kv.set(keys.replica_bytes(rank), str(tracked.own.memory()["bytes_per_version"]).encode())
+
+
+def reserve_replicas(kv: KeyValueStore, replication: Replication, placement: BuddyPlacement, rank: int,
+                     timeout: float, background: bool = False) -> None:
+    """Account (and allocate) the replicas of the ranks this rank serves, once they
+    published their sizes (``publish_size``)."""
+    served = placement.served_by(rank)
+    kv.wait([keys.replica_bytes(r) for r in served], timeout=timeout)
+    sizes = {r: int(kv.get(keys.replica_bytes(r))) for r in served}
+    if background:
+        threading.Thread(target=replication.reserve, args=(sizes,), name="peerstate-reserve", daemon=True).start()
+    else:
+        replication.reserve(sizes)
+
+
+class StepBoundary:
+    """Snapshots each ``snapshot_every``-th step as its version and streams it to
+    the buddies one step later. ``capture = False`` skips both (for overhead
+    measurements only). The first boundary registers the tracked state (the
+    optimizer's state exists only after its first step)."""
+
+    def __init__(self, tracked: TrackedState, kv: KeyValueStore, placement: BuddyPlacement,
+                 checkpoints: DiskCheckpoints, report: RecoveryReport, progress: Optional[ProgressCounter],
+                 snapshot_every: int, join_timeout: float) -> None:
+        self.tracked = tracked
+        self._kv = kv
+        self._placement = placement
+        self._checkpoints = checkpoints
+        self._report = report
+        self._progress = progress
+        self.snapshot_every = snapshot_every
+        self._join_timeout = join_timeout
+        self.capture = True
+        self.replication: Optional[Replication] = None  # set once this process has a rank
+        self.rank: Optional[int] = None
+        self._pending_version: Optional[int] = None  # snapshotted, not yet replicated
+        self._failing_holders: Dict[int, Optional[str]] = {}  # holder -> why its last push failed
+
+    def end_step(self, step: int, seconds: float, epoch: int) -> None:
+        report = self._report
+        if report.first_step_after == step:
+            report.mark("first step")  # the step itself is done; what follows is bookkeeping
+        if self._progress:
+            self._progress.set_step(step)
+        if not self.tracked.registered:
+            self.tracked.register(self.rank)
+            self.replication_serves_shares()
+            publish_size(self._kv, self.rank, self.tracked)
+            reserve_replicas(self._kv, self.replication, self._placement, self.rank, self._join_timeout)
+        if self.capture and step % self.snapshot_every == 0:
+            self.start_replication()  # no optimizer hook ran (no optimizer tracked)
+            for store in self.tracked.snapshotted(self.rank):
+                store.snapshot(step)
+            self._pending_version = step
+        if self._checkpoints.due(step):
+            self._checkpoints.save(step, self.rank)
+        report.end_step(step, seconds, epoch, self.rank)
+
+    def replication_serves_shares(self) -> None:
+        """Serve (and pull into) every data-parallel share store from this rank's one endpoint."""
+        for share, store in enumerate(self.tracked.share_stores):
+            self.replication.serve_share(share, store)
+
+    def start_replication(self) -> None:
+        """Before optimizer.step(): the snapshot of the last version must be complete
+        (it reads the live tensors); then stream it to the buddies in the background."""
+        version, self._pending_version = self._pending_version, None
+        if version is not None:
+            for store in self.tracked.snapshotted(self.rank):
+                store.wait()
+            self._report_failed_round()
+            self.replication.replicate(version)  # data-parallel state has no buddies: nothing to send
+
+    def forget_pending(self) -> None:
+        """A recovery began: the version snapshotted last is not replicated."""
+        self._pending_version = None
+
+    def drain(self) -> None:
+        """The loop is done: replicate the last version and wait for its round."""
+        self.start_replication()
+        in_flight = self.replication.replicator.in_flight_version()
+        if in_flight is not None:
+            self.replication.wait(in_flight, check=False)
+
+    def _report_failed_round(self) -> None:
+        """Say when a push to a holder starts failing: until one lands again, the last
+        version that holder committed is this rank's only copy there. The next round
+        retries; this only makes the failure visible (event log and stderr)."""
+        version = self.replication.replicator.in_flight_version()
+        if version is None:
+            return
+        for holder, error in self.replication.wait(version, check=False).items():
+            failing = None if error is None else str(error)
+            if failing != self._failing_holders.get(holder):
+                self._failing_holders[holder] = failing
+                self._report.events.write("replication_failed" if failing else "replication_resumed",
+                                          rank=self.rank, holder=holder, version=version, error=failing)
+                if failing:
+                    print(f"peerstate: rank {self.rank}: version {version} did not reach its holder rank {holder} "
+                          f"({failing}); retrying with the next step's version", file=sys.stderr, flush=True)
+
+
+class StepGuard:
+    """One step's body (``Job.guard``): on a clean exit the step boundary runs; a
+    failure inside, once the coordinator declared it, becomes a recovery."""
+
+    def __init__(self, joiner: "EpochJoiner", boundary: StepBoundary, membership: Membership,
+                 events: EventLog) -> None:
+        self._joiner, self._boundary, self._membership, self._events = joiner, boundary, membership, events
+
+    def __enter__(self) -> None:
+        self.started = time.monotonic()
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
+        joiner = self._joiner
+        step, epoch = joiner.next_step, self._membership.epoch
+        if exc_type is None and joiner.watcher.latest.epoch == epoch:
+            try:
+                self._boundary.end_step(step, time.monotonic() - self.started, epoch)
+                joiner.next_step = step + 1
+                return False
+            except Exception:  # noqa: BLE001 - a failure during the boundary is a failure too
+                if not joiner.failure_declared(epoch):
+                    raise
+        elif exc_type is not None:
+            if not issubclass(exc_type, Exception):
+                return False  # KeyboardInterrupt, SystemExit
+            if not joiner.failure_declared(epoch):
+                return False  # no failure was declared: a genuine error in the loop
+        self._events.write("step_interrupted", step=step, epoch=epoch,
+                           error=f"{exc_type.__name__}: {str(exc)[:200]}" if exc_type else None)
+        self._membership.move(MemberState.RECOVERING)
+        return True

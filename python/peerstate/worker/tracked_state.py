@@ -1,0 +1,163 @@
+"""The training state a job tracks, in the stores that snapshot it: this rank's
+own store (RNG, loader, extras, and everything when the state differs per rank)
+and, with ``track(data_parallel=True)``, one store per data-parallel share."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Container, Dict, List, Mapping, Optional, Tuple
+
+from peerstate.errors import InvalidArgumentError
+from peerstate.replication.placement import DataParallelShares
+from peerstate.state.buffers import ByteRange
+from peerstate.state.snapshot import SnapshotStore
+from peerstate.state.training_state import capture_rng, restore_rng, training_state
+
+# Slots of a share this rank does not snapshot itself: where a recovery lands it.
+PULLED_SHARE_VERSIONS = 2
+
+
+class TrackedState:
+    """What ``Job.track`` was given, and the stores it is registered in.
+
+    ``own`` exists from the start; the share stores only once ``register`` runs for
+    data-parallel state. Every store snapshots on the process's one copy-thread
+    pool (``ThreadPool::shared`` in the native core)."""
+
+    def __init__(self, shares: DataParallelShares, versions: int, threads: Optional[int]) -> None:
+        self.shares = shares
+        self.versions = versions
+        self.threads = threads
+        self.own = SnapshotStore(max_versions=versions, threads=threads)
+        self.share_stores: List[SnapshotStore] = []
+        self.objects: Dict[str, Any] = {}
+        self.data_parallel = False
+        self.registered = False
+
+    def track(self, *, model: Any, optimizer: Any, scheduler: Any, loader: Any, extras: Mapping[str, Any],
+              data_parallel: bool) -> None:
+        self.objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
+                        "extras": dict(extras)}
+        self.data_parallel = data_parallel
+
+    @property
+    def tracking(self) -> bool:
+        return bool(self.objects)
+
+    def register(self, rank: Optional[int]) -> None:
+        """Register the tracked state with the stores and allocate their versions
+        (``rank`` None: a spare, which does not know its share yet)."""
+        tracked = self.objects
+        tensors, objects = training_state(tracked.get("model"), tracked.get("optimizer"))
+        if tracked.get("scheduler") is not None:
+            objects["scheduler"] = (tracked["scheduler"].state_dict, tracked["scheduler"].load_state_dict)
+        if self.data_parallel:
+            self._create_share_stores(rank)
+            self._register_shares(tensors, objects)
+        else:
+            self.own.register_many(tensors)
+            for name, (get, set_) in objects.items():
+                self.own.register_object(name, get, set_)
+        private = {"loader": tracked.get("loader"), **{f"extras/{n}": v for n, v in tracked.get("extras", {}).items()}}
+        for name, obj in private.items():
+            if obj is not None:
+                self.own.register_object(name, obj.state_dict, obj.load_state_dict)
+        self.own.register_object("rng", capture_rng, restore_rng)
+        for store in self.all_stores():
+            store.allocate()
+        self.registered = True
+
+    def _create_share_stores(self, rank: Optional[int]) -> None:
+        """One store per data-parallel share. This rank snapshots its own share into
+        ``versions`` slots; the others only receive the shares it pulls at a recovery.
+        A spare registers before it knows its share: all get ``versions``."""
+        if self.share_stores:
+            return
+        own = None if rank is None else self.shares.share_of(rank)
+        self.share_stores = [SnapshotStore(max_versions=self.versions if own in (None, share) else PULLED_SHARE_VERSIONS,
+                                           threads=self.threads) for share in range(self.shares.count)]
+
+    def _register_shares(self, tensors: Mapping[str, Any], objects: Mapping[str, Tuple[Callable, Callable]]) -> None:
+        """Cut the data-parallel state into the share stores (the same cut on every
+        rank; a tensor across a cut is registered as two byte ranges); its Python
+        state goes with the lightest share."""
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]
+        load = [0] * self.shares.count
+        for (name, tensor), size, pieces in zip(tensors.items(), sizes, self.shares.split(sizes)):
+            for share, start, end in pieces:
+                if (start, end) == (0, size):
+                    self.share_stores[share].register(name, tensor)
+                else:
+                    self.share_stores[share].register(f"{name}[{start}:{end}]", ByteRange(tensor, start, end - start))
+                load[share] += end - start
+        lightest = self.share_stores[load.index(min(load))]
+        for name, (get, set_) in objects.items():
+            lightest.register_object(name, get, set_)
+        empty = [share for share, store in enumerate(self.share_stores) if not store.registered()]
+        if empty:
+            raise InvalidArgumentError(f"data-parallel shares {empty} would be empty: the tracked state has "
+                                       f"{sum(sizes)} bytes for {self.shares.count} shares; pass "
+                                       "Job(data_parallel_shares=...) a smaller count")
+
+    def own_share(self, rank: int) -> Optional[SnapshotStore]:
+        """The share store ``rank`` snapshots (None without data-parallel state)."""
+        if not (self.data_parallel and self.share_stores):
+            return None  # not data-parallel, or not registered yet (a worker registers at its first step)
+        return self.share_stores[self.shares.share_of(rank)]
+
+    def snapshotted(self, rank: int) -> List[SnapshotStore]:
+        """The stores ``rank`` snapshots: its own, then its share of the data-parallel state."""
+        share = self.own_share(rank)
+        return [self.own] if share is None else [self.own, share]
+
+    def all_stores(self) -> List[SnapshotStore]:
+        """Every store holding tracked state: this rank's own, then each data-parallel share."""
+        return [self.own, *self.share_stores] if self.data_parallel else [self.own]
+
+    def local_versions(self, rank: int) -> List[int]:
+        """The versions every store ``rank`` snapshots holds. The version in flight
+        counts as held: a local copy does not fail short of a bug, and waiting for it
+        would put it on every recovery's critical path (it is waited for by
+        ``restore`` only if it is the recovery point)."""
+        held = set.intersection(*({*store.committed_versions(), store.in_flight_version()} - {None}
+                                  for store in self.snapshotted(rank)))
+        return sorted(held)
+
+    def restore(self, version: int, pulled_shares: Container[int] = (), pulled_own: bool = False) -> None:
+        """Restore ``version`` from every store, the data-parallel shares first: their
+        objects (scheduler) are applied before this rank's own (RNG). A newer version
+        in flight is cancelled; ``version`` itself, if in flight, is waited for.
+        What was just pulled (``pulled_shares``, and this rank's own state with
+        ``pulled_own``) skips the checksum pass: every chunk was verified as it arrived."""
+        shares = [(store, share in pulled_shares) for share, store in enumerate(self.share_stores)]
+        for store, pulled in (shares if self.data_parallel else []) + [(self.own, pulled_own)]:
+            if store.in_flight_version() == version:
+                store.wait()
+            store.restore(version, verify=not pulled)
+
+    def checkpoint_state(self, rank: int) -> Dict[str, Any]:
+        """What a disk checkpoint holds, keyed the same whatever the data-parallel
+        shares: this rank's own tensors and objects, then the whole data-parallel
+        tensors and the objects of every share."""
+        import torch
+
+        own = {name: owner for name, owner in self.own.owners().items() if isinstance(owner, torch.Tensor)}
+        state: Dict[str, Any] = {f"rank{rank}/own/{name}": t for name, t in own.items()}
+        state[f"rank{rank}/own/objects"] = self.own.capture_objects()
+        if self.data_parallel:
+            tensors, _ = training_state(self.objects.get("model"), self.objects.get("optimizer"))
+            state.update({f"rank{rank}/data_parallel/{name}": t for name, t in tensors.items()})
+            state[f"rank{rank}/data_parallel/objects"] = {
+                name: value for store in self.share_stores for name, value in store.capture_objects().items()}
+        return state
+
+    def apply_checkpoint(self, state: Mapping[str, Any], rank: int, step: int) -> None:
+        """After ``dcp.load`` filled the tensors of ``checkpoint_state``: apply its objects,
+        and drop the versions newer than ``step`` (the next snapshot is step + 1)."""
+        for store in self.all_stores():
+            part = "own" if store is self.own else "data_parallel"
+            store.apply_objects(state[f"rank{rank}/{part}/objects"])
+            store.drop_newer(step)
+
+    def close(self) -> None:
+        for store in (self.own, *self.share_stores):
+            store.close()

@@ -1,0 +1,79 @@
+"""The KeyValueStore contract, held by both implementations: TCPStore (real
+server on 127.0.0.1, port 0) and the in-memory store for pure-logic tests."""
+
+import threading
+
+import pytest
+
+pytest.importorskip("torch")
+
+from peerstate.control.coordinator import Coordinator  # noqa: E402
+from peerstate.control.kvstore import TorchKeyValueStore  # noqa: E402
+from peerstate.control.memory_store import InMemoryKeyValueStore  # noqa: E402
+
+MEMBERS = {r: f"n{r // 2}.{r % 2}" for r in range(4)}
+
+
+@pytest.fixture(params=["tcpstore", "memory"])
+def kv(request):
+    if request.param == "memory":
+        return InMemoryKeyValueStore()
+    return TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=10)
+
+
+def test_get_set_and_missing_keys(kv):
+    assert kv.get("a") is None
+    kv.set("a", b"1")
+    assert kv.get_many(["a", "b"]) == [b"1", None]
+
+
+def test_add_and_compare_set_are_atomic_across_clients(kv):
+    clients = [kv.clone() for _ in range(4)]
+    winners = []
+
+    def race(client, name):
+        for _ in range(50):
+            client.add("counter", 1)
+        if client.compare_set("owner", b"", name.encode()) == name.encode():
+            winners.append(name)
+
+    threads = [threading.Thread(target=race, args=(c, f"c{i}")) for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert kv.add("counter", 0) == 200
+    assert len(winners) == 1 and kv.get("owner") == winners[0].encode()
+    assert kv.compare_set("owner", b"someone else", b"x") == winners[0].encode()
+
+
+def test_append_and_wait(kv):
+    kv.append("list", b"a,")
+    kv.append("list", b"b,")
+    assert kv.get("list") == b"a,b,"
+    with pytest.raises(TimeoutError):
+        kv.wait(["never"], timeout=0.2)
+    threading.Timer(0.1, kv.clone().set, args=("later", b"1")).start()
+    kv.wait(["later"], timeout=5)
+
+
+def test_one_plan_per_epoch_over_either_store(kv):
+    coordinator = Coordinator(kv)
+    kv.set("config", b'{"nnodes": 2, "nproc_per_node": 2, "world_size": 4}')
+    coordinator.start(MEMBERS)
+    for spare in ("n0.2", "n1.2"):
+        coordinator.register_spare(spare)
+    plans = []
+
+    def report(i):
+        plans.append(Coordinator(kv.clone()).report_failure(["n1.0"], "killed", detected_at=1.0, me=f"agent{i}"))
+
+    threads = [threading.Thread(target=report, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    made = [p for p in plans if p is not None]  # a loser whose failure the winner covered gets None
+    assert made and {p.epoch for p in made} == {1} and len({p.replaced[2] for p in made}) == 1
+    latest = coordinator.latest_plan()
+    assert latest.epoch == 1 and latest.members[2] == made[0].replaced[2]

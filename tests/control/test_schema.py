@@ -1,0 +1,76 @@
+"""The control plane's contracts: every store key spelled in ``control/keys.py``
+alone, and the agent-to-worker environment written and read by one class."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+import peerstate
+from peerstate import InvalidArgumentError
+from peerstate.control.environment import WorkerEnvironment, parse_secret
+
+PACKAGE = Path(peerstate.__file__).parent
+# The first component of every key family in keys.py.
+FAMILIES = sorted({value.split("/")[0] for value in re.findall(r'(?:f?")([a-z_]+)(?:/|")', (PACKAGE / "control" / "keys.py").read_text())
+                   if value not in ("",)})
+
+
+def test_the_key_families_are_found():
+    assert {"config", "node", "spare", "assign", "epoch", "job", "bytes", "inject", "pg"} <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("module", sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                                          if p.name != "keys.py"))
+def test_no_module_but_keys_spells_a_store_key(module):
+    source = (PACKAGE / module).read_text()
+    spelled = [m.group(0) for m in re.finditer(r'f?"(%s)(/[^"\s]*)?"' % "|".join(map(re.escape, FAMILIES)), source)]
+    # Words that are no keys: a dict key of an event or config, or a message.
+    spelled = [s for s in spelled if "/" in s or s.strip('f"') in ("config", "spares", "nodes_joined")]
+    assert spelled == [], f"{module} spells store keys {spelled}: name them through peerstate.control.keys"
+
+
+def test_the_environment_round_trips():
+    env = WorkerEnvironment(store="127.0.0.1:2900", worker="n1.2", spare=False, world_size=4, nproc_per_node=2,
+                            node=1, host="127.0.0.2", progress="/dev/shm/p", events="/tmp/e.jsonl",
+                            secret=bytes(range(32)), rank=3, checkpoint_dir="/ckpt", checkpoint_every=5)
+    variables = env.to_env()
+    assert variables["RANK"] == "3" and variables["LOCAL_RANK"] == "1" and variables["MASTER_PORT"] == "2900"
+    assert WorkerEnvironment.from_env(variables) == env
+
+
+def test_a_spare_gets_no_rank_and_reads_back_as_a_spare():
+    env = WorkerEnvironment(store="h:1", worker="n0.2", spare=True, world_size=2, nproc_per_node=2, node=0)
+    variables = env.to_env()
+    assert "RANK" not in variables
+    assert WorkerEnvironment.from_env(variables) == env
+
+
+def test_outside_peerstate_run_the_error_says_how_to_start():
+    with pytest.raises(InvalidArgumentError, match="peerstate run --nproc-per-node"):
+        WorkerEnvironment.from_env({})
+
+
+def test_a_missing_variable_is_named():
+    variables = WorkerEnvironment(store="h:1", worker="n0.0", spare=False, world_size=2, nproc_per_node=2, node=0,
+                                  rank=0).to_env()
+    del variables["WORLD_SIZE"]
+    with pytest.raises(InvalidArgumentError, match="WORLD_SIZE is not set"):
+        WorkerEnvironment.from_env(variables)
+
+
+@pytest.mark.parametrize("text,match", [("not-hex", "must be hexadecimal"), ("ab" * 8 + "a", "must be hexadecimal"),
+                                        ("ab" * 15, "holds 15 bytes")])
+def test_a_bad_secret_is_an_error_that_says_what_is_wrong(text, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        parse_secret(text)
+    assert parse_secret("ab" * 16) == b"\xab" * 16
+
+
+def test_a_bad_secret_stops_the_agent_before_any_worker_starts(monkeypatch, tmp_path):
+    from peerstate.launcher.agent import Agent, AgentConfig
+
+    monkeypatch.setenv("PEERSTATE_SECRET", "0123")
+    with pytest.raises(InvalidArgumentError, match="PEERSTATE_SECRET holds 2 bytes"):
+        Agent(AgentConfig(script=["train.py"], nproc_per_node=1, log_dir=str(tmp_path)))
+    assert not list(tmp_path.glob("*.log"))

@@ -1,0 +1,271 @@
+"""In-process recovery end to end: real agents, real workers (DDP over gloo), real
+signals. Every faulty run must end with the parameters of the fault-free run,
+bit for bit."""
+
+import os
+import re
+import signal
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from helpers.jobs import Job  # noqa: E402
+
+from peerstate.control.environment import ABORT_DEADLINE_EXIT_CODE  # noqa: E402
+
+STEPS = 40
+TWO_NODES = [(2, 1), (2, 0)]  # 4 workers on 2 simulated nodes + 1 spare
+FAST = ["--lease-timeout", "1.5", "--hang-timeout", "1.5", "--spare-timeout", "30", "--join-timeout", "60"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The fault-free run's final parameters."""
+    job = Job(tmp_path_factory.mktemp("reference"), [(4, 0)], steps=STEPS)
+    try:
+        assert job.wait() == [0], job.describe()
+        return torch.load(job.out)
+    finally:
+        job.close()
+
+
+@pytest.fixture
+def run(tmp_path):
+    jobs = []
+
+    def start(nodes=TWO_NODES, **kwargs):
+        kwargs.setdefault("agent_args", FAST)
+        job = Job(tmp_path / f"job{len(jobs)}", nodes, steps=kwargs.pop("steps", STEPS), **kwargs)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.close()
+
+
+def assert_bitwise(job, reference):
+    final = torch.load(job.out)
+    assert final.keys() == reference.keys()
+    different = [k for k in final if not torch.equal(final[k], reference[k])]
+    assert not different, f"parameters {different} differ from the fault-free run"
+
+
+def recoveries(job):
+    return job.events("recovery")
+
+
+def test_fewer_versions_than_a_recovery_can_need_are_refused():
+    # A survivor's newest version can be 3 ahead of the newest a lost rank's buddy
+    # surely holds (Job's docstring says why): 3 slots can leave no common step.
+    import peerstate
+    from peerstate.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"versions >= 4 \(got 1, 3\)"):
+        peerstate.Job(versions=3)
+
+
+@pytest.mark.parametrize("script_args", [[], ["--data-parallel"], ["--data-parallel", "--data-parallel-shares", "1"]],
+                         ids=["replicated", "data-parallel", "data-parallel-full-copies"])
+def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
+    job = run(script_args=script_args)
+    job.wait_for_step(2, 10)
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    [recovery] = recoveries(job)
+    assert recovery["failed"] == [2] and recovery["from"] == "fault"
+    assert set(recovery["phases_s"]) == {"detect", "plan", "abort", "re-form", "transfer", "restore", "first step"}
+    assert all(v is not None and v >= 0 for v in recovery["phases_s"].values())
+    [end] = job.events("job_end")
+    assert end["steps"] == STEPS and 0 < end["goodput"] <= 1
+    pulled = {p["rank"]: p for p in job.events("pulled")}
+    if script_args == ["--data-parallel"]:
+        # Two data-parallel shares (one per rank of a node; rank r holds share r % 2). The
+        # survivors pulled the share they lack, the replacement both.
+        assert {r: (p["shares"], p["replacement"]) for r, p in pulled.items()} == \
+            {0: ([1], False), 1: ([0], False), 2: ([0, 1], True), 3: ([0], False)}, pulled
+        # Where the source shares the puller's node, chunks are read from its memory,
+        # not over TCP: the spare (node 0) and rank 1 read from ranks 0 and 1, while
+        # rank 3 (node 1) lost its node's copy of share 0 with rank 2.
+        assert pulled[2]["same_node_sources"] == [0, 1] and pulled[2]["chunks_from_memory"] > 0, pulled
+        assert pulled[1]["same_node_sources"] == [0], pulled
+        assert pulled[1]["chunks_from_memory"] == pulled[1]["chunks"] > 0, pulled
+        assert pulled[3]["same_node_sources"] == [] and pulled[3]["chunks_from_memory"] == 0, pulled
+    elif script_args:
+        # A full copy on every rank: the survivors pull nothing; the spare (node 0) read
+        # everything from ranks 0 and 1 on its node, not over TCP.
+        assert list(pulled) == [2] and pulled[2]["shares"] == [0], pulled
+        assert pulled[2]["same_node_sources"] == [0, 1], pulled
+        assert pulled[2]["chunks_from_memory"] == pulled[2]["chunks"] > 0, pulled
+    else:
+        assert not pulled, pulled
+
+
+@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
+def test_two_failures_in_sequence_refill_the_spare_pool(run, reference, data_parallel):
+    # With data-parallel shares, survivors pull the share they lack at each recovery.
+    job = run(script_args=["--step-seconds", "0.2"] + (["--data-parallel"] if data_parallel else []))
+    job.wait_for_step(1, 5)
+    job.kill_rank(1)
+    job.wait_for(lambda: recoveries(job), "the first recovery")
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "a refilled spare")
+    job.kill_rank(3)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert [r["failed"] for r in recoveries(job)] == [[1], [3]]
+    if data_parallel:  # ranks 0 and 2 pulled share 1 twice, into a store of two slots
+        pulls = [(p["rank"], p["shares"]) for p in job.events("pulled") if not p["replacement"]]
+        assert sorted(pulls) == [(0, [1]), (0, [1]), (1, [0]), (2, [1]), (2, [1]), (3, [0])], pulls
+
+
+def test_a_dead_spare_is_replaced(run, reference):
+    job = run(script_args=["--step-seconds", "0.2"])  # slow steps: the refill takes a few seconds
+    job.wait_for(lambda: job.spare_pids(), "the spare")
+    job.wait_for_step(0, 5)
+    [spare] = job.spare_pids()
+    os.kill(spare, signal.SIGKILL)  # the spare holds no rank yet
+    job.wait_for(lambda: [p for p in job.spare_pids() if p != spare], "a new spare")
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert len(recoveries(job)) == 1
+
+
+@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
+def test_second_failure_during_a_recovery(run, reference, data_parallel):
+    # With data-parallel shares, rank 1 holds the share that ranks 0 and the replacement pull.
+    job = run(nodes=[(2, 1), (2, 1)], script_args=["--data-parallel"] if data_parallel else [])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for_step(2, 10)
+    job.kill_rank(2)
+    job.wait_for(lambda: job.events("plan"), "the first plan")
+    job.kill_rank(1)  # while the job recovers from the first failure
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    plans = job.events("plan")
+    assert sorted(r for p in plans for r in p["failed"]) == [1, 2]
+
+
+def test_hung_worker_is_detected_by_its_progress_counter(run, reference):
+    job = run()
+    job.wait_for_step(3, 10)
+    job.kill_rank(3, signal.SIGSTOP)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    [exited] = [e for e in job.events("process_exited") if e["rank"] == 3 and e["code"] != 0]
+    assert "hung" in exited["how"]
+
+
+def test_blocked_collectives_of_declared_subgroups_are_aborted(run, reference):
+    # Rank 3 stops before its collective with rank 1, then its whole node freezes:
+    # nothing exits and no socket closes, as when a node drops off the network.
+    # Rank 1, blocked on rank 3 in a declared subgroup whose timeout is 600 s, gets
+    # out only through peerstate's abort once node 1's lease expires. Afterwards both
+    # subgroups are formed again and their sums checked at every step.
+    job = run(script_args=["--subgroups", "--hold", "3:5"])
+    job.wait_for(lambda: job.spare_pids(), "the spare")
+    job.wait_for(lambda: "rank 3 holds at step 5" in job.text(), "rank 3's stop")
+    job.freeze_node(1, ranks=[2, 3])
+    job.wait_for(lambda: recoveries(job), "the recovery")
+    job.kill_node(1)  # the frozen processes: the job went on without them
+    codes = job.wait()
+    assert codes[0] == 0 and codes[1] == -signal.SIGKILL, job.describe()
+    assert_bitwise(job, reference)
+    [plan] = job.events("plan")
+    assert plan["failed"] == [2, 3] and "node 1 lost" in plan["reason"]
+
+
+def test_a_loop_that_cannot_leave_its_call_gives_its_rank_to_a_spare(run, reference):
+    # Rank 0 sleeps at step 5 (as in a call no abort can wake) while rank 3 is killed.
+    # The others wait for rank 0 in the new epoch; after abort_timeout rank 0 exits on
+    # its own and a second spare takes its rank.
+    job = run(nodes=[(2, 1), (2, 1)], script_args=["--hold", "0:5", "--abort-timeout", "3"])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for(lambda: "rank 0 holds at step 5" in job.text(), "rank 0's stop")
+    job.kill_rank(3)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert [p["failed"] for p in job.events("plan")] == [[3], [0]]
+    [missed] = job.events("abort_deadline_missed")
+    assert missed["rank"] == 0 and missed["epoch"] == 1
+    assert [e["code"] for e in job.events("process_exited") if e["rank"] == 0 and e["code"] != 0] == [ABORT_DEADLINE_EXIT_CODE]
+
+
+@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
+def test_whole_node_killed(run, reference, data_parallel):
+    job = run(script_args=["--data-parallel"] if data_parallel else [])
+    job.wait_for(lambda: job.spare_pids(), "the spare")
+    job.wait_for_step(2, 10)
+    job.kill_node(1)
+    codes = job.wait()
+    assert codes[0] == 0 and codes[1] == -signal.SIGKILL, job.describe()
+    assert_bitwise(job, reference)
+    plans = job.events("plan")
+    assert sorted(r for p in plans for r in p["failed"]) == [2, 3]
+    assert "node 1 lost" in plans[0]["reason"]
+
+
+def test_rank_and_its_only_buddy_lost_stops_the_job_cleanly(run):
+    job = run(nodes=[(2, 2), (2, 0)])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for_step(2, 10)
+    job.kill_rank(0)
+    job.kill_rank(2)  # rank 0's only buddy (k=1)
+    codes = job.wait()
+    assert codes == [1, 1], job.describe()
+    summary = job.agent_logs[0].read_text()
+    assert "ranks 0 and 2 lost" in summary and "shard of rank 0 has no surviving copy" in summary, summary
+    assert "cannot go on" in summary
+
+
+@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
+def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, reference, tmp_path, data_parallel):
+    checkpoints = tmp_path / "checkpoints"
+    job = run(nodes=[(2, 2), (2, 0)], script_args=["--data-parallel"] if data_parallel else [],
+              agent_args=FAST + ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "5"])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for_step(2, 12)
+    job.kill_rank(0)
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    [fallback] = {e["step"]: e for e in job.events("checkpoint_fallback")}.values()
+    assert fallback["step"] % 5 == 0 and "ranks 0 and 2 lost" in fallback["message"]
+    if data_parallel:  # ranks 0 and 2 were the two holders of data-parallel share 0
+        assert "data-parallel share 0 has no surviving copy" in fallback["message"], fallback
+
+
+def test_fsdp2_shards_recover_bitwise(run, tmp_path_factory):
+    """FSDP2 (fully_shard) over gloo: each rank snapshots and replicates its own shard; the
+    replacement of rank 2 receives rank 2's shard, and every shard ends as in a fault-free run."""
+    reference = Job(tmp_path_factory.mktemp("fsdp-reference"), [(4, 0)], steps=STEPS, script_args=["--fsdp"])
+    try:
+        assert reference.wait() == [0], reference.describe()
+    finally:
+        reference.close()
+    job = run(script_args=["--fsdp"])
+    job.wait_for_step(2, 10)
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    for rank in range(4):
+        expected = torch.load(f"{reference.out}.rank{rank}")
+        final = torch.load(f"{job.out}.rank{rank}")
+        different = [k for k in expected if not torch.equal(final[k], expected[k])]
+        assert not different, f"rank {rank}: shards {different} differ from the fault-free run"
+    [recovery] = recoveries(job)
+    assert recovery["failed"] == [2]
+
+
+def test_a_data_parallel_rank_of_a_two_node_job_opens_one_replication_port(tmp_path):
+    # The replication servers listen at --host (127.0.0.2 here); gloo listens on lo's 127.0.0.1.
+    # With 2 ranks per node there are 2 data-parallel shares: one server serves them and the rank's own state.
+    job = Job(tmp_path, [(2, 0), (2, 0)], steps=6, agent_args=["--host", "127.0.0.2"],
+              script_args=["--data-parallel", "--report-ports"])
+    try:
+        assert job.wait() == [0, 0], job.describe()
+        counts = sorted(re.findall(r"^rank (\d) listens on (\d+) ports at 127\.0\.0\.2$", job.text(), re.M))
+        assert counts == [("0", "1"), ("1", "1"), ("2", "1"), ("3", "1")], job.describe()
+    finally:
+        job.close()

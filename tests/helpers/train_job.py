@@ -1,0 +1,132 @@
+"""A small DDP training job under peerstate, for the launcher and recovery tests.
+
+Every batch is a function of (seed, step, rank), so a replayed step sees the
+same data. At the end rank 0 writes the final parameters to --out.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import peerstate
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--step-seconds", type=float, default=0.05, help="extra time per step, so faults land mid-run")
+parser.add_argument("--out", default=None)
+parser.add_argument("--fail-at-import", action="store_true")
+parser.add_argument("--data-parallel", action="store_true", help="track(data_parallel=True)")
+parser.add_argument("--data-parallel-shares", type=int, default=None, help="Job(data_parallel_shares=N)")
+parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
+parser.add_argument("--trace", action="store_true", help="print a digest of the parameters at each step")
+parser.add_argument("--width", type=int, default=64)
+parser.add_argument("--subgroups", action="store_true",
+                    help="each step, an allreduce in subgroups [1, 3] then [0, 1] before the DDP step")
+parser.add_argument("--hold", default=None, metavar="RANK:STEP",
+                    help="RANK sleeps at the start of STEP, in its first life only (a call no abort wakes)")
+parser.add_argument("--abort-timeout", type=float, default=30.0)
+parser.add_argument("--report-ports", action="store_true",
+                    help="at the end, print how many TCP ports this process listens on at PEERSTATE_HOST")
+args = parser.parse_args()
+if args.fail_at_import:
+    raise ImportError("this script was told to fail at start-up")
+
+torch.set_num_threads(1)
+job = peerstate.Job(join_timeout=60.0, failure_grace=20.0, abort_timeout=args.abort_timeout,
+                    data_parallel_shares=args.data_parallel_shares)
+hold_rank, hold_step = map(int, args.hold.split(":")) if args.hold else (None, None)
+if args.fsdp:
+    job.wait_for_rank()  # fully_shard needs the process group: a spare builds its model once picked
+if args.subgroups:  # long timeouts: only an abort gets a blocked member out in time
+    import datetime
+
+    import torch.distributed as dist
+
+    pair_1_3 = job.new_group([1, 3], timeout=datetime.timedelta(seconds=600))
+    pair_0_1 = job.new_group([0, 1], timeout=datetime.timedelta(seconds=600))
+
+
+def listening_ports(host):
+    """The TCP ports this process listens on at ``host`` (IPv4), from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    address = "".join(f"{int(part):02X}" for part in reversed(host.split(".")))
+    ports = []
+    with open("/proc/self/net/tcp") as table:
+        for line in list(table)[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes and local.split(":")[0] == address:
+                ports.append(int(local.split(":")[1], 16))
+    return ports
+
+
+def subgroup_collectives(step):
+    """Rank 1 waits on rank 3, then rank 0 waits on rank 1."""
+    for subgroup, expected in ((pair_1_3, 4), (pair_0_1, 1)):
+        if job.rank in subgroup.ranks:
+            total = torch.tensor([job.rank])
+            dist.all_reduce(total, group=subgroup.group)
+            assert int(total) == expected, (subgroup.ranks, int(total))
+
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 4))
+if args.fsdp:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
+job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=args.data_parallel)
+print(f"rank {job.rank} pid {os.getpid()}", flush=True)
+ddp = model if args.fsdp else job.ddp(model)
+
+for step in job.steps(args.steps):
+    with job.guard():
+        if job.rank == hold_rank and step == hold_step and job.recoveries == 0:
+            print(f"rank {job.rank} holds at step {step}", flush=True)
+            time.sleep(600)
+        if args.subgroups:
+            subgroup_collectives(step)
+        generator = torch.Generator().manual_seed(1000 * step + job.rank)
+        x = torch.randn(32, 16, generator=generator)
+        y = torch.randn(32, 4, generator=generator)
+        noise = torch.randn(32, 4) * 0.01  # draws from the global RNG: its state must be restored too
+        loss = F.mse_loss(ddp(x) + noise, y)
+        optimizer.zero_grad()
+        loss.backward()
+        time.sleep(args.step_seconds)
+        optimizer.step()
+        scheduler.step()
+    if args.trace:
+        digest = sum(float((p.to_local() if args.fsdp else p).double().sum()) for p in model.parameters())
+        print(f"rank {job.rank} step {step} params {digest!r} lr {optimizer.param_groups[0]['lr']!r}", flush=True)
+    else:
+        print(f"rank {job.rank} step {step}", flush=True)
+
+if args.out and args.fsdp:  # every rank its own shards
+    shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    torch.save(shards, f"{args.out}.rank{job.rank}.tmp")
+    os.replace(f"{args.out}.rank{job.rank}.tmp", f"{args.out}.rank{job.rank}")
+elif args.out and job.rank == 0:
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out + ".tmp")
+    os.replace(args.out + ".tmp", args.out)
+print(f"rank {job.rank} done at step {job.next_step}, {job.recoveries} recoveries", flush=True)
+if args.report_ports:
+    host = os.environ["PEERSTATE_HOST"]
+    print(f"rank {job.rank} listens on {len(listening_ports(host))} ports at {host}", flush=True)
+job.close()
+sys.exit(0)

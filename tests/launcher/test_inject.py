@@ -1,0 +1,54 @@
+"""The fault injector: spec parsing, the reproducible random schedule, when faults
+fall due, and a real job whose fault is injected by its agent."""
+
+import pytest
+
+from peerstate import InvalidArgumentError
+from peerstate.launcher.inject import FaultInjector, parse
+
+
+def test_specs_parse():
+    [kill] = parse("kill:rank=2:step=10", world_size=4, nnodes=2)
+    assert (kill.kind, kill.rank, kill.step, kill.time) == ("kill", 2, 10, None)
+    [hang] = parse("hang:rank=1:time=2.5", world_size=4, nnodes=2)
+    assert (hang.kind, hang.rank, hang.time) == ("hang", 1, 2.5)
+    [node] = parse("kill-node:node=1:step=20", world_size=4, nnodes=2)
+    assert (node.kind, node.node) == ("kill-node", 1)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("explode:rank=1:step=2", "the kind must be one of"),
+    ("kill:rank=9:step=2", r"rank=R with R in 0\.\.3"),
+    ("kill:rank=1", "exactly one of step=N or time=SECONDS"),
+    ("kill:rank=1:step=2:time=3", "exactly one of"),
+    ("kill-node:node=5:step=1", r"node=N with N in 0\.\.1"),
+    ("kill:rank:step=1", "is not key=value"),
+    ("kill:rank=one:step=1", "invalid literal"),
+    ("random:seed=1", "mtbf=SECONDS > 0"),
+    ("random:mtbf=5:kinds=kill,melt", "unknown kinds"),
+])
+def test_bad_specs_say_what_is_wrong(spec, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        parse(spec, world_size=4, nnodes=2)
+
+
+def test_random_schedule_is_reproducible_and_bounded():
+    a = parse("random:mtbf=10:seed=7:max=5:kinds=kill,hang,kill-node", world_size=8, nnodes=2)
+    b = parse("random:mtbf=10:seed=7:max=5:kinds=kill,hang,kill-node", world_size=8, nnodes=2)
+    c = parse("random:mtbf=10:seed=8:max=5:kinds=kill,hang,kill-node", world_size=8, nnodes=2)
+    assert [(f.kind, f.rank, f.node, f.time) for f in a] == [(f.kind, f.rank, f.node, f.time) for f in b]
+    assert [f.time for f in a] != [f.time for f in c]
+    assert len(a) == 5 and all(x.time < y.time for x, y in zip(a, a[1:]))
+    assert all((f.node is not None) == (f.kind == "kill-node") for f in a)
+
+
+def test_faults_fall_due_once_on_the_node_that_runs_the_rank():
+    node0 = FaultInjector(["kill:rank=1:step=5", "kill-node:node=1:time=3", "hang:rank=3:time=2"],
+                          world_size=4, nnodes=2, node=0)
+    assert node0.due({0: 9, 1: 4}, None) == []
+    [due] = node0.due({0: 9, 1: 5}, None)
+    assert (due.kind, due.rank) == ("kill", 1)
+    assert node0.due({0: 9, 1: 6}, 10.0) == []  # injected already; node 1 and rank 3 are not here
+    node1 = FaultInjector(["kill-node:node=1:time=3", "hang:rank=3:time=2"], world_size=4, nnodes=2, node=1)
+    assert node1.due({2: 1, 3: 1}, 1.0) == []  # nothing before its time
+    assert sorted(f.kind for f in node1.due({2: 1, 3: 1}, 3.5)) == ["hang", "kill-node"]

@@ -1,0 +1,58 @@
+"""`peerstate run` refuses bad configurations with a clear error, and nothing hangs."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from helpers.jobs import Job  # noqa: E402
+
+FAST = ["--join-timeout", "20", "--lease-timeout", "1.5"]
+
+
+def peerstate_run(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "peerstate", "run", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_more_spares_than_allowed(tmp_path):
+    result = peerstate_run("--nproc-per-node", "2", "--spares", "3", "--log-dir", str(tmp_path), "train.py")
+    assert result.returncode == 2
+    assert "--spares 3 is not allowed" in result.stderr and "0 to --nproc-per-node (2)" in result.stderr
+
+
+def test_several_nodes_need_a_store_address(tmp_path):
+    result = peerstate_run("--nnodes", "2", "--nproc-per-node", "1", "--log-dir", str(tmp_path), "train.py")
+    assert result.returncode == 2 and "--store HOST:PORT" in result.stderr
+
+
+def test_script_that_fails_at_import_stops_the_job(tmp_path):
+    job = Job(tmp_path, [(2, 1)], agent_args=FAST, script_args=["--fail-at-import"])
+    try:
+        assert job.wait(timeout=60) == [1], job.describe()
+        summary = job.agent_logs[0].read_text()
+        assert "cannot go on" in summary and "fails at start-up" in summary, summary
+        assert "this script was told to fail at start-up" in summary, summary
+    finally:
+        job.close()
+
+
+def test_mismatched_world_sizes_between_agents(tmp_path):
+    job = Job(tmp_path, [(2, 0), (1, 0)], agent_args=FAST)  # node 1 claims 1 process per node
+    try:
+        codes = job.wait(timeout=60)
+        assert codes == [1, 1], job.describe()
+        for log in job.agent_logs:
+            assert "every agent needs the same --nnodes and --nproc-per-node" in log.read_text(), job.describe()
+    finally:
+        job.close()
+
+
+def test_job_outside_the_launcher_says_how_to_start_it(monkeypatch):
+    import peerstate
+
+    monkeypatch.delenv("PEERSTATE_STORE", raising=False)
+    with pytest.raises(peerstate.InvalidArgumentError, match="peerstate run --nproc-per-node"):
+        peerstate.Job()
