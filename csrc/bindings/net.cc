@@ -42,11 +42,12 @@ Status move_region(Transport& t, int peer, VersionMeta meta, uintptr_t region, b
   return st;
 }
 
-TcpOptions tcp_options(const py::bytes& secret, int rank, size_t connections, long connect_timeout_ms,
-                       long io_timeout_ms) {
+TcpOptions tcp_options(const py::bytes& secret, int rank, const std::string& protection, size_t connections,
+                       long connect_timeout_ms, long io_timeout_ms) {
   TcpOptions o;
   o.secret = secret;
   o.rank = rank;
+  raise_if_error(parse_protection(protection, &o.protection));
   o.connections_per_peer = connections;
   o.connect_timeout_ms = connect_timeout_ms;
   o.io_timeout_ms = io_timeout_ms;
@@ -58,15 +59,21 @@ TcpOptions tcp_options(const py::bytes& secret, int rank, size_t connections, lo
 void bind_net(py::module_& m) {
   py::class_<TcpServer, std::unique_ptr<TcpServer, ReleaseGilDeleter>>(m, "TcpServer")
       .def(py::init([](ReplicaStore* replicas, SnapshotStore* own, const py::bytes& secret, int rank,
-                       const std::string& host, int port, long io_timeout_ms) {
+                       const std::string& host, int port, long io_timeout_ms, const std::string& protection,
+                       size_t max_handshaking, size_t max_per_peer, size_t max_connections) {
              std::unique_ptr<TcpServer> server;
-             TcpOptions o = tcp_options(secret, rank, 1, 5000, io_timeout_ms);
+             TcpOptions o = tcp_options(secret, rank, protection, 1, 5000, io_timeout_ms);
+             o.max_handshaking = max_handshaking;
+             o.max_per_peer = max_per_peer;
+             o.max_connections = max_connections;
              call_without_gil([&] { return TcpServer::start(o, host, port, replicas, own, &server); });
              return std::unique_ptr<TcpServer, ReleaseGilDeleter>(server.release());
            }),
            py::arg("replicas"), py::arg("own_store").none(true), py::kw_only(), py::arg("secret"),
            py::arg("rank"), py::arg("host") = "127.0.0.1", py::arg("port") = 0, py::arg("io_timeout_ms") = 30000,
-           py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+           py::arg("protection") = "authenticated", py::arg("max_handshaking") = TcpOptions().max_handshaking,
+           py::arg("max_per_peer") = TcpOptions().max_per_peer,
+           py::arg("max_connections") = TcpOptions().max_connections, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def("serve", [](TcpServer& s, uint32_t index, SnapshotStore* store) { raise_if_error(s.serve(index, store)); },
            py::arg("index"), py::arg("store"), py::keep_alive<1, 3>())
       .def_property_readonly("port", &TcpServer::port)
@@ -76,6 +83,7 @@ void bind_net(py::module_& m) {
         py::dict d;
         d["accepted"] = st.accepted;
         d["rejected"] = st.rejected;
+        d["refused"] = st.refused;
         d["active"] = st.active;
         return d;
       });
@@ -105,14 +113,15 @@ void bind_net(py::module_& m) {
 
   py::class_<TcpTransport, Transport, std::unique_ptr<TcpTransport, ReleaseGilDeleter>>(m, "TcpTransport")
       .def(py::init([](const py::bytes& secret, int rank, size_t connections_per_peer, long connect_timeout_ms,
-                       long io_timeout_ms) {
+                       long io_timeout_ms, const std::string& protection) {
              std::unique_ptr<TcpTransport> t;
              raise_if_error(TcpTransport::create(
-                 tcp_options(secret, rank, connections_per_peer, connect_timeout_ms, io_timeout_ms), &t));
+                 tcp_options(secret, rank, protection, connections_per_peer, connect_timeout_ms, io_timeout_ms), &t));
              return std::unique_ptr<TcpTransport, ReleaseGilDeleter>(t.release());
            }),
            py::kw_only(), py::arg("secret"), py::arg("rank"), py::arg("connections_per_peer") = 4,
-           py::arg("connect_timeout_ms") = 5000, py::arg("io_timeout_ms") = 30000)
+           py::arg("connect_timeout_ms") = 5000, py::arg("io_timeout_ms") = 30000,
+           py::arg("protection") = "authenticated")
       .def("add_peer", &TcpTransport::add_peer);
 }
 

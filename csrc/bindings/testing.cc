@@ -1,5 +1,6 @@
 // Bindings for the core's utilities that tests and benchmarks measure or
-// check directly: checksums, the HMAC, the parallel copy. Not used by the package.
+// check directly: checksums, the HMAC, the parallel copy, where libcrypto came
+// from. Not used by the package.
 #include <pybind11/stl.h>
 
 #include <string>
@@ -9,7 +10,7 @@
 #include "bindings/common.h"
 #include "common/crc32c.h"
 #include "common/parallel_copy.h"
-#include "common/sha256.h"
+#include "common/crypto.h"
 #include "common/thread_pool.h"
 
 namespace py = pybind11;
@@ -50,9 +51,15 @@ void bind_testing(py::module_& m) {
           return best;
         },
         py::arg("sources"), py::arg("threads"), py::arg("repeats") = 3, py::arg("streaming") = false);
+  m.def("crypto_library", [] {
+    std::string origin;
+    raise_if_error(crypto_library(&origin));
+    return origin;
+  });
   m.def("hmac_sha256", [](const py::bytes& key, const py::bytes& data) {
     std::string k = key, d = data;
-    Digest out = hmac_sha256(k.data(), k.size(), d.data(), d.size());
+    Digest out;
+    raise_if_error(hmac_sha256(k.data(), k.size(), d.data(), d.size(), &out));
     return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
   });
 }

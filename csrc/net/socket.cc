@@ -7,7 +7,6 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -86,6 +85,11 @@ Socket& Socket::operator=(Socket&& other) noexcept {
     other.fd_ = -1;
   }
   return *this;
+}
+
+bool Socket::stale() const {
+  pollfd p{fd_, POLLIN | POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) != 0;  // readable, hung up, or in error: none of it is expected while idle
 }
 
 std::string Socket::peer_name() const {
@@ -245,20 +249,6 @@ Status connect_to(const std::string& host, int port, Deadline deadline, Socket* 
   }
   freeaddrinfo(info);
   return last;
-}
-
-Status random_bytes(void* out, size_t nbytes) {
-  auto* p = static_cast<unsigned char*>(out);
-  while (nbytes > 0) {
-    ssize_t n = getrandom(p, nbytes, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno_status(StatusCode::kInternal, "getrandom");
-    }
-    p += n;
-    nbytes -= static_cast<size_t>(n);
-  }
-  return Status::Ok();
 }
 
 }  // namespace peerstate

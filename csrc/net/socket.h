@@ -44,6 +44,9 @@ class Socket {
   // Blocking calls also return (kAborted) when `cancel` fires. It must outlive the socket.
   void watch(const CancelSignal& cancel) { cancel_fd_ = cancel.fd(); }
   int fd() const { return fd_; }
+  // Whether an idle connection can no longer be used: the peer closed it, or
+  // sent bytes nobody asked for. Never blocks.
+  bool stale() const;
   // Peer address as "host:port" (for log lines).
   std::string peer_name() const;
 
@@ -68,7 +71,5 @@ Status accept_from(Socket& listener, Deadline deadline, Socket* out);
 // Connects; `cancel` (optional) aborts the wait and is watched by the new socket.
 Status connect_to(const std::string& host, int port, Deadline deadline, Socket* out,
                   const CancelSignal* cancel = nullptr);
-// Fills `out` with cryptographically random bytes (getrandom).
-Status random_bytes(void* out, size_t nbytes);
 
 }  // namespace peerstate

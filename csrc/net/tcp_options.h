@@ -4,14 +4,25 @@
 #include <cstddef>
 #include <string>
 
+#include "net/wire.h"
+
 namespace peerstate {
 
 struct TcpOptions {
   std::string secret;               // the job secret; required, at least 16 bytes
   int rank = -1;                    // this rank
+  FrameProtection protection = FrameProtection::kAuthenticated;  // both ends must agree
   size_t connections_per_peer = 4;  // client side
   long connect_timeout_ms = 5000;
-  long io_timeout_ms = 30000;       // per transfer step; also the handshake bound x 1/6
+  // Per transfer step; also how long a server keeps an idle authenticated
+  // connection (a client reopens one idle for half of it before use).
+  long io_timeout_ms = 30000;
+  // Server side: connections still in their handshake, connections of one
+  // authenticated peer, and all connections; the excess is closed at once and
+  // logged once per second.
+  size_t max_handshaking = 16;
+  size_t max_per_peer = 16;
+  size_t max_connections = 256;
 };
 
 }  // namespace peerstate

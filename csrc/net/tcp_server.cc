@@ -1,13 +1,49 @@
 #include "net/tcp_server.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <system_error>
 
 #include "common/crc32c.h"
 
 namespace peerstate {
 namespace {
 
-void log_line(const std::string& line) { std::fprintf(stderr, "[peerstate] %s\n", line.c_str()); }
+constexpr long kHandshakeMs = 5000;
+constexpr size_t kMetadataFloorBytes = 1u << 20;  // metadata may also take 1/64 of a version's bytes
+
+// Log lines that a hostile peer could make a flood of: each kind at most once a
+// second, with a count of what was left out.
+class RateLimitedLog {
+ public:
+  void write(const std::string& kind, const std::string& line) {
+    const auto now = Clock::now();
+    std::lock_guard<std::mutex> lock(mutex_);
+    Entry& e = entries_[kind];
+    if (e.last != Clock::time_point() && now - e.last < std::chrono::seconds(1)) {
+      e.suppressed++;
+      return;
+    }
+    const std::string more = e.suppressed ? " (and " + std::to_string(e.suppressed) + " more like it)" : "";
+    e.last = now;
+    e.suppressed = 0;
+    std::fprintf(stderr, "[peerstate] %s%s\n", line.c_str(), more.c_str());
+  }
+
+ private:
+  struct Entry {
+    Clock::time_point last;
+    size_t suppressed = 0;
+  };
+  std::mutex mutex_;
+  std::map<std::string, Entry> entries_;
+};
+
+RateLimitedLog& log() {
+  static RateLimitedLog instance;
+  return instance;
+}
 
 // A version this server can serve, from its replicas or its own snapshots.
 struct ServedVersion {
@@ -20,9 +56,10 @@ struct ServedVersion {
 }  // namespace
 
 struct TcpServer::Connection {
-  Socket socket;
+  Channel channel;
   std::thread thread;
   std::atomic<bool> done{false};
+  std::atomic<bool> authenticated{false};
   int32_t peer_rank = -1;
   std::string name;
   HostRegion staging;  // pinned; only for a device replica store
@@ -81,7 +118,7 @@ void TcpServer::stop() {
   if (acceptor_.joinable()) acceptor_.join();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& c : connections_) c->socket.shutdown();
+    for (auto& c : connections_) c->channel.socket.shutdown();
   }
   reap(true);
   listener_.close();
@@ -91,6 +128,7 @@ TcpServerStats TcpServer::stats() const {
   TcpServerStats s;
   s.accepted = accepted_.load();
   s.rejected = rejected_.load();
+  s.refused = refused_.load();
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& c : connections_)
     if (!c->done.load()) s.active++;
@@ -114,117 +152,186 @@ void TcpServer::reap(bool all) {
     if (c->thread.joinable()) c->thread.join();
 }
 
+bool TcpServer::admit(std::string* why) {
+  size_t total = 0, handshaking = 0;
+  for (const auto& c : connections_) {
+    if (c->done.load()) continue;
+    total++;
+    if (!c->authenticated.load()) handshaking++;
+  }
+  if (total >= options_.max_connections) *why = std::to_string(total) + " connections are open already";
+  else if (handshaking >= options_.max_handshaking) *why = std::to_string(handshaking) + " are still in their handshake";
+  return why->empty();
+}
+
 void TcpServer::accept_loop() {
+  long backoff_ms = 0;
   while (!stopping_.load()) {
     Socket socket;
     Status st = accept_from(listener_, deadline_after_ms(200), &socket);
     reap(false);
     if (!st.ok()) {
-      if (st.code() != StatusCode::kTimeout && !stopping_.load()) log_line("accept failed: " + st.message());
+      if (st.code() == StatusCode::kTimeout || stopping_.load()) continue;
+      // Descriptors exhausted, say: accepting again at once would fail at once.
+      backoff_ms = std::min<long>(1000, backoff_ms ? 2 * backoff_ms : 10);
+      log().write("accept", "accept failed: " + st.message() + "; retrying in " + std::to_string(backoff_ms) + " ms");
+      std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
       continue;
     }
+    backoff_ms = 0;
     auto c = std::make_unique<Connection>();
-    c->socket = std::move(socket);
-    c->name = c->socket.peer_name();
+    c->channel.socket = std::move(socket);
+    c->name = c->channel.peer_name();
     Connection* raw = c.get();
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_.load()) break;
+    std::string why;
+    if (!admit(&why)) {
+      refused_++;
+      log().write("refused", "refusing a connection from " + raw->name + ": " + why);
+      continue;  // closed as it goes out of scope
+    }
+    try {
+      raw->thread = std::thread([this, raw] { serve_connection(raw); });
+    } catch (const std::system_error& error) {  // threads exhausted (pids.max, RLIMIT_NPROC): refuse, never abort
+      refused_++;
+      log().write("thread", "refusing a connection from " + raw->name + ": no thread to serve it (" + error.what() +
+                                ")");
+      continue;
+    }
     connections_.push_back(std::move(c));
-    raw->thread = std::thread([this, raw] { serve_connection(raw); });
   }
 }
 
 void TcpServer::serve_connection(Connection* c) {
   // A client must finish the handshake quickly: a silent or slow one is not held open.
-  Status st = handshake_server(c->socket, options_.secret, &c->peer_rank,
-                               deadline_after_ms(std::min<long>(options_.io_timeout_ms, 5000)));
+  Status st = handshake_server(c->channel, options_.secret, options_.protection, &c->peer_rank,
+                               deadline_after_ms(std::min<long>(options_.io_timeout_ms, kHandshakeMs)));
+  if (st.ok()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t same_peer = 0;
+    for (const auto& other : connections_)
+      if (other.get() != c && !other->done.load() && other->authenticated.load() && other->peer_rank == c->peer_rank)
+        same_peer++;
+    if (same_peer >= options_.max_per_peer) {
+      refused_++;
+      st = Status(StatusCode::kBusy, "rank " + std::to_string(c->peer_rank) + " already has " +
+                                         std::to_string(same_peer) + " connections here");
+    } else {
+      c->authenticated = true;
+    }
+  }
   if (!st.ok()) {
     if (!stopping_.load()) {
-      rejected_++;
-      log_line("closing connection from " + c->name + ": " + st.message());
+      if (st.code() != StatusCode::kBusy) rejected_++;
+      log().write("handshake", "closing connection from " + c->name + ": " + st.message());
     }
-    c->socket.close();
+    c->channel.socket.close();
     c->done = true;
     return;
   }
   accepted_++;
   for (;;) {
     FrameHeader h;
-    // Idle between transfers is normal: wait for the next request without a deadline;
-    // stop() wakes us through shutdown().
-    st = recv_header(c->socket, &h, Deadline::max());
+    // An idle connection is closed after the io timeout (clients reopen theirs
+    // before that); stop() wakes the wait through shutdown().
+    st = c->channel.recv_header(&h, deadline_after_ms(options_.io_timeout_ms));
     if (st.ok()) st = handle(*c, h);
     if (!st.ok()) {
       const bool quiet = stopping_.load() || st.code() == StatusCode::kConnectionError;
       if (!quiet) {
-        if (st.code() == StatusCode::kProtocolError) rejected_++;
-        log_line("closing connection from rank " + std::to_string(c->peer_rank) + " (" + c->name +
-                 "): " + st.message());
+        if (st.code() == StatusCode::kProtocolError || st.code() == StatusCode::kAuthenticationError) rejected_++;
+        log().write("connection", "closing connection from rank " + std::to_string(c->peer_rank) + " (" + c->name +
+                                      "): " + st.message());
       }
       break;
     }
   }
-  c->socket.close();
+  c->channel.socket.close();
   if (c->staging.data() != nullptr) (void)replicas_->engine()->unpin(c->staging.data());
   c->done = true;
 }
 
 Status TcpServer::handle(Connection& c, const FrameHeader& h) {
   const Deadline deadline = deadline_after_ms(options_.io_timeout_ms);
+  Channel& channel = c.channel;
   switch (static_cast<FrameType>(h.type)) {
     case FrameType::kPutBegin: {
-      if (h.length > kMaxMetadataBytes)
-        return Status(StatusCode::kProtocolError, "metadata of " + std::to_string(h.length) + " bytes is over the limit");
-      std::string bytes(h.length, '\0');
-      PEERSTATE_RETURN_IF_ERROR(c.socket.recv_all(bytes.data(), bytes.size(), deadline));
+      // Metadata is bounded by what the sender's reservation allows, and read as it
+      // arrives: nothing is allocated for bytes that were only announced.
+      const size_t limit = std::min(kMaxMetadataBytes,
+                                    std::max(kMetadataFloorBytes, replicas_->reservation(c.peer_rank) / 64));
+      if (h.length > limit)
+        return Status(StatusCode::kProtocolError, "metadata of " + std::to_string(h.length) + " bytes is over the " +
+                                                      std::to_string(limit) + " this holder allows rank " +
+                                                      std::to_string(c.peer_rank));
+      std::string bytes;
+      while (bytes.size() < h.length) {
+        const size_t at = bytes.size();
+        bytes.resize(at + std::min<size_t>(h.length - at, 1u << 20));
+        PEERSTATE_RETURN_IF_ERROR(channel.recv_payload(bytes.data() + at, bytes.size() - at, deadline));
+      }
+      PEERSTATE_RETURN_IF_ERROR(channel.end_frame(deadline));
       VersionMeta meta;
-      Status st = decode_meta(bytes, &meta);
+      Status st;
+      {
+        // One decode at a time: a layout costs several times its metadata's bytes.
+        std::lock_guard<std::mutex> lock(decode_mutex_);
+        st = decode_meta(bytes, &meta);
+      }
       if (st.ok() && meta.source_rank != c.peer_rank)
         st = Status(StatusCode::kProtocolError, "rank " + std::to_string(c.peer_rank) +
                                                     " tried to push the state of rank " +
                                                     std::to_string(meta.source_rank));
       if (st.ok()) st = replicas_->begin(meta);
       if (ends_stream(st)) return st;
-      if (!st.ok()) return send_error(c.socket, st, deadline);
-      return send_frame(c.socket, make_header(FrameType::kAck, meta.source_rank, meta.version), nullptr, deadline);
+      if (!st.ok()) return send_error(channel, st, deadline);
+      return channel.send_frame(make_header(FrameType::kAck, meta.source_rank, meta.version), nullptr, deadline);
     }
     case FrameType::kPutChunk: {
-      std::shared_ptr<ReplicaVersion> incoming;
       if (h.source_rank != c.peer_rank)
         return Status(StatusCode::kProtocolError, "chunk for another rank's state");
       // Any mismatch here closes the connection: the payload that follows
       // cannot be skipped safely when its announced length is a lie.
-      PEERSTATE_RETURN_IF_ERROR(replicas_->expect_chunk(h.source_rank, h.version, h.chunk, h.length, &incoming));
-      const Layout& layout = *incoming->meta.layout;
+      ReplicaStore::ChunkWrite write;
+      PEERSTATE_RETURN_IF_ERROR(replicas_->expect_chunk(h.source_rank, h.version, h.chunk, h.length, &write));
+      const Layout& layout = *write.version->meta.layout;
       const ChunkPlacement& chunk = layout.chunks[h.chunk];
-      unsigned char* place = incoming->region.data() + chunk.offset;
+      unsigned char* place = write.version->region.data() + chunk.offset;
       uint32_t crc = 0;
       if (replicas_->device() == kHostDevice) {
-        PEERSTATE_RETURN_IF_ERROR(recv_chunk(c.socket, layout, h.chunk, place, deadline, &crc));
+        PEERSTATE_RETURN_IF_ERROR(channel.recv_chunk(layout, h.chunk, place, deadline, &crc));
+        PEERSTATE_RETURN_IF_ERROR(channel.end_frame(deadline));
       } else {  // device replica: land in pinned staging, verify there, then copy up
         PEERSTATE_RETURN_IF_ERROR(ensure_staging(c, chunk.nbytes));
-        PEERSTATE_RETURN_IF_ERROR(recv_chunk(c.socket, layout, h.chunk, c.staging.data(), deadline, &crc));
+        PEERSTATE_RETURN_IF_ERROR(channel.recv_chunk(layout, h.chunk, c.staging.data(), deadline, &crc));
+        PEERSTATE_RETURN_IF_ERROR(channel.end_frame(deadline));
         DeviceCopy copy{c.staging.data(), place, chunk.nbytes};
         PEERSTATE_RETURN_IF_ERROR(replicas_->engine()->to_device(replicas_->device(), &copy, 1));
       }
-      Status st = replicas_->chunk_arrived(incoming, h.chunk, crc);
-      if (!st.ok()) log_line("rank " + std::to_string(c.peer_rank) + ": " + st.message());
+      Status st = replicas_->chunk_arrived(&write, crc);
+      if (!st.ok()) log().write("chunk", "rank " + std::to_string(c.peer_rank) + ": " + st.message());
       return Status::Ok();  // a corrupt chunk fails the version at commit; the stream is intact
     }
     case FrameType::kPutCommit: {
       if (h.source_rank != c.peer_rank) return Status(StatusCode::kProtocolError, "commit of another rank's state");
+      PEERSTATE_RETURN_IF_ERROR(channel.end_frame(deadline));
       // Wait in slices, so that stop() is not held up by a commit that waits
       // for chunks which will never come.
       Status st;
       do {
         st = replicas_->commit(h.source_rank, h.version, std::min(deadline, deadline_after_ms(100)));
       } while (st.code() == StatusCode::kTimeout && Clock::now() < deadline && !stopping_.load());
-      if (!st.ok()) return send_error(c.socket, st, deadline);
-      return send_frame(c.socket, make_header(FrameType::kAck, h.source_rank, h.version), nullptr, deadline);
+      if (!st.ok()) return send_error(channel, st, deadline);
+      return channel.send_frame(make_header(FrameType::kAck, h.source_rank, h.version), nullptr, deadline);
     }
     case FrameType::kGetMeta:
     case FrameType::kGetChunk:
       if (h.length != 0) return Status(StatusCode::kProtocolError, "request with a payload");
+      PEERSTATE_RETURN_IF_ERROR(channel.end_frame(deadline));
+      if (h.version < 0 && !(h.type == static_cast<uint16_t>(FrameType::kGetMeta) && h.status == kNewest))
+        return Status(StatusCode::kProtocolError, "request for version " + std::to_string(h.version) +
+                                                      " (the newest is asked for explicitly)");
       return serve_get(c, h);
     default:
       return Status(StatusCode::kProtocolError, "unexpected frame type " + std::to_string(h.type) + " from a client");
@@ -233,6 +340,7 @@ Status TcpServer::handle(Connection& c, const FrameHeader& h) {
 
 Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
   const Deadline deadline = deadline_after_ms(options_.io_timeout_ms);
+  const int64_t version = h.status == kNewest ? -1 : h.version;
   ServedVersion served;
   Status st;
   if (h.source_rank == options_.rank) {
@@ -240,19 +348,20 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
     VersionView view;
     st = own == nullptr ? Status(StatusCode::kNotFound, "rank " + std::to_string(options_.rank) + " serves no store " +
                                                             std::to_string(h.store) + " of its own state")
-                        : own->view(h.version, &view);
+                        : own->view(version, &view);
     if (st.ok() && view.checksums.empty())
       st = Status(StatusCode::kUnavailable, "this rank's snapshots have checksums off; they cannot be served");
     if (st.ok()) {
       served.meta = meta_of(options_.rank, view);
       served.data = view.data;
+      served.keep_alive = view.pin;  // the slot is not reused while its bytes are sent
     }
   } else if (h.store != 0) {
     st = Status(StatusCode::kNotFound, "replicas of other ranks are kept in store 0 only (asked for store " +
                                            std::to_string(h.store) + ")");
   } else {
     std::shared_ptr<const ReplicaVersion> replica;
-    st = replicas_->get(h.source_rank, h.version, &replica);
+    st = replicas_->get(h.source_rank, version, &replica);
     if (st.ok()) {
       served.meta = replica->meta;
       served.data = replica->region.data();
@@ -260,16 +369,18 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
       served.keep_alive = replica;
     }
   }
-  if (!st.ok()) return send_error(c.socket, st, deadline);
+  if (!st.ok()) return send_error(c.channel, st, deadline);
 
   if (static_cast<FrameType>(h.type) == FrameType::kGetMeta) {
     std::string bytes = encode_meta(served.meta);
-    return send_frame(c.socket, make_header(FrameType::kMeta, h.source_rank, served.meta.version, 0, bytes.size(), 0, h.store),
-                      bytes.data(), deadline);
+    return c.channel.send_frame(
+        make_header(FrameType::kMeta, h.source_rank, served.meta.version, 0, bytes.size(), 0, h.store), bytes.data(),
+        deadline);
   }
   const Layout& layout = *served.meta.layout;
   if (h.chunk >= layout.chunks.size())
-    return send_error(c.socket, Status(StatusCode::kInvalidArgument, "chunk " + std::to_string(h.chunk) + " out of range"),
+    return send_error(c.channel,
+                      Status(StatusCode::kInvalidArgument, "chunk " + std::to_string(h.chunk) + " out of range"),
                       deadline);
   const ChunkPlacement& chunk = layout.chunks[h.chunk];
   const unsigned char* payload = served.data + chunk.offset;
@@ -277,13 +388,12 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
     Status staged = ensure_staging(c, chunk.nbytes);
     DeviceCopy copy{c.staging.data(), const_cast<unsigned char*>(payload), chunk.nbytes};
     if (staged.ok()) staged = replicas_->engine()->to_host(served.device, &copy, 1);
-    if (!staged.ok()) return send_error(c.socket, staged, deadline);
+    if (!staged.ok()) return send_error(c.channel, staged, deadline);
     payload = c.staging.data();
   }
-  return send_frame(c.socket,
-                    make_header(FrameType::kChunk, h.source_rank, served.meta.version, h.chunk, chunk.nbytes,
-                                served.meta.checksums[h.chunk], h.store),
-                    payload, deadline);
+  return c.channel.send_frame(make_header(FrameType::kChunk, h.source_rank, served.meta.version, h.chunk, chunk.nbytes,
+                                          served.meta.checksums[h.chunk], h.store),
+                              payload, deadline);
 }
 
 }  // namespace peerstate

@@ -2,12 +2,21 @@
 //
 // It accepts connections on the configured address (loopback by default; never
 // all interfaces unless asked), proves each peer knows the job secret before
-// reading anything else, stores pushed versions in a ReplicaStore and serves
-// pulls from it or from this rank's own SnapshotStores. A peer that sends
-// garbage, a wrong secret, a truncated frame or an out-of-range chunk gets its
-// connection closed and a log line on stderr; the server keeps running and
+// reading anything else, checks every frame's tag after that (net/wire.h),
+// stores pushed versions in a ReplicaStore and serves pulls from it or from
+// this rank's own SnapshotStores. A peer that sends garbage, a wrong secret, a
+// truncated or altered frame or an out-of-range chunk gets its connection
+// closed and a rate-limited log line on stderr; the server keeps running and
 // writes nothing outside the target region (every length is checked against
-// the layout before any byte lands).
+// the layout before any byte lands, and nothing is allocated for a length that
+// has not arrived).
+//
+// Bounded in number and time: at most TcpOptions::max_handshaking connections
+// in their handshake, max_per_peer per authenticated rank and max_connections
+// in all (the excess is closed at once); a handshake has 5 s at most, and an
+// authenticated connection that sends nothing for io_timeout_ms is closed. A
+// connection's thread that cannot be created closes the connection; accept
+// errors (descriptors exhausted) back off up to a second.
 //
 // One server per rank serves every store the rank keeps: store 0 is the one
 // given to start() (the rank's own state; pushes of other ranks' state land in
@@ -35,6 +44,7 @@ namespace peerstate {
 struct TcpServerStats {
   size_t accepted = 0;  // connections that passed the handshake
   size_t rejected = 0;  // connections closed for a failed handshake or a protocol violation
+  size_t refused = 0;   // connections closed at once: over a limit, or no thread to serve them
   size_t active = 0;
 };
 
@@ -61,6 +71,8 @@ class TcpServer {
   struct Connection;
   TcpServer(const TcpOptions& options, ReplicaStore* replicas, SnapshotStore* own);
   void accept_loop();
+  // Whether one more connection may be served now, and why not.
+  bool admit(std::string* why);
   void serve_connection(Connection* connection);
   Status handle(Connection& c, const FrameHeader& h);
   Status serve_get(Connection& c, const FrameHeader& h);
@@ -75,9 +87,10 @@ class TcpServer {
   std::thread acceptor_;
   std::atomic<bool> stopping_{false};
   mutable std::mutex mutex_;
+  std::mutex decode_mutex_;
   std::map<uint32_t, SnapshotStore*> own_;  // guarded by mutex_
   std::list<std::unique_ptr<Connection>> connections_;
-  std::atomic<size_t> accepted_{0}, rejected_{0};
+  std::atomic<size_t> accepted_{0}, rejected_{0}, refused_{0};
 };
 
 }  // namespace peerstate

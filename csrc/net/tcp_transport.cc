@@ -1,5 +1,6 @@
 #include "net/tcp_transport.h"
 
+#include <algorithm>
 #include <deque>
 #include <thread>
 #include <vector>
@@ -8,7 +9,8 @@ namespace peerstate {
 
 struct TcpTransport::Link {
   std::mutex mutex;  // one transfer step at a time per connection
-  Socket socket;
+  Channel channel;
+  Clock::time_point used;  // the server closes a connection idle for its io timeout: reopen before that
 };
 
 struct TcpTransport::Peer {
@@ -58,17 +60,22 @@ Status TcpTransport::links(int peer_rank, std::shared_ptr<Peer>* keep, std::vect
     peer = it->second;
   }
   out->clear();
+  const auto idle_limit = std::chrono::milliseconds(options_.io_timeout_ms / 2);
   for (auto& l : peer->links) {
     std::lock_guard<std::mutex> lock(l->mutex);
-    if (!l->socket.valid()) {
-      Socket s;
-      PEERSTATE_RETURN_IF_ERROR(
-          checked(connect_to(peer->host, peer->port, deadline_after_ms(options_.connect_timeout_ms), &s, &cancel_)));
-      Status st = handshake_client(s, options_.secret, options_.rank, deadline_after_ms(options_.connect_timeout_ms));
+    if (l->channel.socket.valid() && (Clock::now() - l->used > idle_limit || l->channel.socket.stale()))
+      l->channel.socket.close();  // the server closes idle connections: never send on one it may have closed
+    if (!l->channel.socket.valid()) {
+      Channel c;
+      PEERSTATE_RETURN_IF_ERROR(checked(
+          connect_to(peer->host, peer->port, deadline_after_ms(options_.connect_timeout_ms), &c.socket, &cancel_)));
+      Status st = handshake_client(c, options_.secret, options_.rank, options_.protection,
+                                   deadline_after_ms(options_.connect_timeout_ms));
       if (!st.ok())
         return checked(Status(st.code(), "rank " + std::to_string(peer_rank) + ": " + st.message()));
-      l->socket = std::move(s);
+      l->channel = std::move(c);
     }
+    l->used = Clock::now();
     out->push_back(l.get());
   }
   return Status::Ok();
@@ -98,7 +105,7 @@ Status TcpTransport::send(int peer, const TransferPlan& plan) {
   const VersionMeta& meta = plan.meta;
   const Layout& layout = *meta.layout;
   auto fail = [&](Link& l, Status st) {
-    l.socket.close();  // the stream is in an unknown state: reconnect next time
+    l.channel.socket.close();  // the stream is in an unknown state: reconnect next time
     return checked(st);
   };
   {
@@ -106,9 +113,9 @@ Status TcpTransport::send(int peer, const TransferPlan& plan) {
     std::lock_guard<std::mutex> lock(l.mutex);
     std::string bytes = encode_meta(meta);
     Deadline d = deadline_after_ms(options_.io_timeout_ms);
-    Status st = send_frame(l.socket, make_header(FrameType::kPutBegin, meta.source_rank, meta.version, 0, bytes.size()),
-                           bytes.data(), d);
-    if (st.ok()) st = expect_ack(l.socket, d);
+    Status st = l.channel.send_frame(
+        make_header(FrameType::kPutBegin, meta.source_rank, meta.version, 0, bytes.size()), bytes.data(), d);
+    if (st.ok()) st = expect_ack(l.channel, d);
     if (!st.ok()) return ends_stream(st) ? fail(l, st) : st;
   }
   Status st = on_every_link(ls, [&](Link& l) -> Status {
@@ -116,10 +123,9 @@ Status TcpTransport::send(int peer, const TransferPlan& plan) {
     uint32_t c;
     while (plan.queue->take(&c)) {
       const ChunkPlacement& chunk = layout.chunks[c];
-      Status s = send_frame(l.socket,
-                            make_header(FrameType::kPutChunk, meta.source_rank, meta.version, c, chunk.nbytes,
-                                   meta.checksums[c]),
-                            plan.region + chunk.offset, deadline_after_ms(options_.io_timeout_ms));
+      Status s = l.channel.send_frame(make_header(FrameType::kPutChunk, meta.source_rank, meta.version, c,
+                                                  chunk.nbytes, meta.checksums[c]),
+                                      plan.region + chunk.offset, deadline_after_ms(options_.io_timeout_ms));
       if (!s.ok()) {
         plan.queue->give_back(c);
         return fail(l, s);
@@ -132,8 +138,8 @@ Status TcpTransport::send(int peer, const TransferPlan& plan) {
   Link& l = *ls[0];
   std::lock_guard<std::mutex> lock(l.mutex);
   Deadline d = deadline_after_ms(options_.io_timeout_ms);
-  st = send_frame(l.socket, make_header(FrameType::kPutCommit, meta.source_rank, meta.version), nullptr, d);
-  if (st.ok()) st = expect_ack(l.socket, d);
+  st = l.channel.send_frame(make_header(FrameType::kPutCommit, meta.source_rank, meta.version), nullptr, d);
+  if (st.ok()) st = expect_ack(l.channel, d);
   if (!st.ok() && ends_stream(st)) return fail(l, st);
   return st;
 }
@@ -146,21 +152,24 @@ Status TcpTransport::describe(int peer, int source_rank, int64_t version, uint32
   std::lock_guard<std::mutex> lock(l.mutex);
   Deadline d = deadline_after_ms(options_.io_timeout_ms);
   FrameHeader h;
-  Status st = send_frame(l.socket, make_header(FrameType::kGetMeta, source_rank, version, 0, 0, 0, store), nullptr, d);
-  if (st.ok()) st = recv_header(l.socket, &h, d);
-  if (st.ok() && h.type == static_cast<uint16_t>(FrameType::kError)) return read_error(l.socket, h, d);
+  FrameHeader request = make_header(FrameType::kGetMeta, source_rank, std::max<int64_t>(version, 0), 0, 0, 0, store);
+  if (version < 0) request.status = kNewest;
+  Status st = l.channel.send_frame(request, nullptr, d);
+  if (st.ok()) st = l.channel.recv_header(&h, d);
+  if (st.ok() && h.type == static_cast<uint16_t>(FrameType::kError)) return read_error(l.channel, h, d);
   if (st.ok() && (h.type != static_cast<uint16_t>(FrameType::kMeta) || h.length > kMaxMetadataBytes))
     st = Status(StatusCode::kProtocolError, "expected version metadata from rank " + std::to_string(peer));
   std::string bytes;
   if (st.ok()) {
     bytes.resize(h.length);
-    st = l.socket.recv_all(bytes.data(), bytes.size(), d);
+    st = l.channel.recv_payload(bytes.data(), bytes.size(), d);
   }
+  if (st.ok()) st = l.channel.end_frame(d);
   if (st.ok()) st = decode_meta(bytes, out);
   if (st.ok() && out->source_rank != source_rank)
     st = Status(StatusCode::kProtocolError, "rank " + std::to_string(peer) + " described the wrong rank's state");
   if (!st.ok()) {
-    l.socket.close();
+    l.channel.socket.close();
     return checked(st);
   }
   return Status::Ok();
@@ -180,7 +189,7 @@ Status TcpTransport::receive(int peer, const TransferPlan& plan) {
     std::deque<uint32_t> requested;
     auto fail = [&](Status st) {
       for (uint32_t r : requested) plan.queue->give_back(r);
-      l.socket.close();
+      l.channel.socket.close();
       return checked(st);
     };
     uint32_t c;
@@ -190,8 +199,9 @@ Status TcpTransport::receive(int peer, const TransferPlan& plan) {
       while (requested.size() < kRequestsInFlight &&
              (requested.empty() ? plan.queue->take(&c) : plan.queue->try_take(&c))) {
         requested.push_back(c);
-        Status st = send_frame(l.socket, make_header(FrameType::kGetChunk, meta.source_rank, meta.version, c, 0, 0, plan.store), nullptr,
-                               deadline_after_ms(options_.io_timeout_ms));
+        Status st = l.channel.send_frame(
+            make_header(FrameType::kGetChunk, meta.source_rank, meta.version, c, 0, 0, plan.store), nullptr,
+            deadline_after_ms(options_.io_timeout_ms));
         if (!st.ok()) return fail(st);
       }
       if (requested.empty()) return Status::Ok();
@@ -199,14 +209,15 @@ Status TcpTransport::receive(int peer, const TransferPlan& plan) {
       const ChunkPlacement& chunk = layout.chunks[c];
       Deadline d = deadline_after_ms(options_.io_timeout_ms);
       FrameHeader h;
-      Status st = recv_header(l.socket, &h, d);
-      if (st.ok() && h.type == static_cast<uint16_t>(FrameType::kError)) st = read_error(l.socket, h, d);
+      Status st = l.channel.recv_header(&h, d);
+      if (st.ok() && h.type == static_cast<uint16_t>(FrameType::kError)) st = read_error(l.channel, h, d);
       else if (st.ok() && (h.type != static_cast<uint16_t>(FrameType::kChunk) || h.chunk != c ||
                            h.version != meta.version || h.length != chunk.nbytes))
         st = Status(StatusCode::kProtocolError, "rank " + std::to_string(peer) + " answered chunk " +
                                                     std::to_string(c) + " with a mismatched frame");
       uint32_t crc = 0;
-      if (st.ok()) st = recv_chunk(l.socket, layout, c, plan.region + chunk.offset, d, &crc);
+      if (st.ok()) st = l.channel.recv_chunk(layout, c, plan.region + chunk.offset, d, &crc);
+      if (st.ok()) st = l.channel.end_frame(d);  // before the chunk counts: the tag covers it
       if (st.ok() && crc != meta.checksums[c])
         st = Status(StatusCode::kChecksumMismatch, "chunk " + std::to_string(c) + " from rank " +
                                                        std::to_string(peer) + " failed its CRC32C");

@@ -41,7 +41,8 @@ Status Replicator::replicate(int64_t version, const std::vector<int>& holders) {
   const VersionMeta meta = meta_of(rank_, view);
   for (size_t i = 0; i < holders.size(); i++) {
     round->results[i].holder = holders[i];
-    round->threads.emplace_back([this, round = round.get(), i, meta, data = view.mutable_data] {
+    // The pin keeps the slot from reuse until the send ends, whatever the caller snapshots meanwhile.
+    round->threads.emplace_back([this, round = round.get(), i, meta, data = view.mutable_data, pin = view.pin] {
       ChunkQueue queue(meta.layout->chunks.size());
       TransferPlan plan{meta, data, &queue};
       round->results[i].status = transport_->send(round->results[i].holder, plan);

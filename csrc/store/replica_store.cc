@@ -1,5 +1,7 @@
 #include "store/replica_store.h"
 
+#include <algorithm>
+
 namespace peerstate {
 
 Status ReplicaMemory::allocate(size_t nbytes) {
@@ -58,8 +60,12 @@ Status ReplicaStore::reserve(int source_rank, size_t bytes_per_version) {
   std::lock_guard<std::mutex> lock(mutex_);
   Source& source = sources_[source_rank];
   source.reserved_per_version = bytes_per_version;
+  source.regions.push_back(first);
+  if (!source.committed) {
+    source.regions.push_back(second);
+    source.spare = std::move(second);
+  }
   source.incoming = std::move(first);
-  if (!source.committed) source.spare = std::move(second);
   return Status::Ok();
 }
 
@@ -78,18 +84,35 @@ Status ReplicaStore::begin(const VersionMeta& meta) {
                     "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
                         " needs " + std::to_string(meta.layout->region_bytes) + " bytes but " +
                         std::to_string(source.reserved_per_version) + " were reserved");
+    if (meta.version < 0)
+      return Status(StatusCode::kInvalidArgument, "version " + std::to_string(meta.version) + " is negative");
     if (source.committed && meta.version <= source.committed->meta.version)
       return Status(StatusCode::kInvalidArgument,
                     "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
                         " is not newer than the committed version " + std::to_string(source.committed->meta.version));
+    if (source.committed && meta.version - source.committed->meta.version > kMaxVersionStep)
+      return Status(StatusCode::kInvalidArgument,
+                    "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
+                        " is more than " + std::to_string(kMaxVersionStep) + " ahead of the committed version " +
+                        std::to_string(source.committed->meta.version));
     // Reuse an allocated region that nobody else holds (a reader of an old
     // committed version, or a connection still writing a dropped partial one).
     for (auto* candidate : {&source.incoming, &source.spare})
       if (!incoming && *candidate && candidate->use_count() == 1) incoming = std::move(*candidate);
     if (!source.spare && source.incoming && source.incoming.use_count() == 1) source.spare = std::move(source.incoming);
     source.incoming.reset();  // a partial version is dropped here, never committed
+    if (!incoming) {
+      source.regions.erase(std::remove_if(source.regions.begin(), source.regions.end(),
+                                          [](const std::weak_ptr<ReplicaVersion>& r) { return r.expired(); }),
+                           source.regions.end());
+      if (source.regions.size() >= 2)
+        return Status(StatusCode::kBusy, "both regions of rank " + std::to_string(meta.source_rank) +
+                                             " are in use (a reader of an older version, or a push that stalled); "
+                                             "version " + std::to_string(meta.version) + " is refused, not allocated");
+      incoming = new_version();
+      source.regions.push_back(incoming);
+    }
   }
-  if (!incoming) incoming = new_version();
   // Allocation (and faulting in) of a large region takes a while: not under the lock.
   if (incoming->region.size() < meta.layout->region_bytes || incoming->region.data() == nullptr)
     PEERSTATE_RETURN_IF_ERROR(incoming->region.allocate(meta.layout->region_bytes));
@@ -97,6 +120,7 @@ Status ReplicaStore::begin(const VersionMeta& meta) {
   incoming->complete = false;
   incoming->arrived.assign(meta.layout->chunks.size(), 0);
   incoming->arrived_count = 0;
+  incoming->writers = 0;
   incoming->failure.clear();
   std::lock_guard<std::mutex> lock(mutex_);
   sources_[meta.source_rank].incoming = std::move(incoming);
@@ -105,7 +129,7 @@ Status ReplicaStore::begin(const VersionMeta& meta) {
 }
 
 Status ReplicaStore::expect_chunk(int source_rank, int64_t version, uint32_t chunk, uint64_t length,
-                                  std::shared_ptr<ReplicaVersion>* incoming_out) {
+                                  ChunkWrite* write) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = sources_.find(source_rank);
   if (it == sources_.end() || !it->second.incoming || it->second.incoming->meta.version != version)
@@ -120,25 +144,48 @@ Status ReplicaStore::expect_chunk(int source_rank, int64_t version, uint32_t chu
     return Status(StatusCode::kProtocolError, "chunk " + std::to_string(chunk) + " has " + std::to_string(length) +
                                                   " bytes, the layout says " +
                                                   std::to_string(layout.chunks[chunk].nbytes));
-  *incoming_out = incoming;
+  if (incoming->arrived[chunk] != 0)
+    return Status(StatusCode::kProtocolError, "chunk " + std::to_string(chunk) + " of version " +
+                                                  std::to_string(version) + " was sent twice");
+  incoming->arrived[chunk] = 1;
+  incoming->writers++;
+  write->version = incoming;
+  write->chunk = chunk;
+  write->store = this;
   return Status::Ok();
 }
 
-Status ReplicaStore::chunk_arrived(const std::shared_ptr<ReplicaVersion>& incoming, uint32_t chunk, uint32_t crc) {
-  const uint32_t expected = incoming->meta.checksums[chunk];
+ReplicaStore::ChunkWrite::~ChunkWrite() {
+  if (store != nullptr) store->end_write(this, false, 0, nullptr);
+}
+
+Status ReplicaStore::chunk_arrived(ChunkWrite* write, uint32_t crc) {
+  Status result;
+  end_write(write, true, crc, &result);
+  return result;
+}
+
+void ReplicaStore::end_write(ChunkWrite* write, bool landed, uint32_t crc, Status* result) {
+  ReplicaVersion& v = *write->version;
   std::lock_guard<std::mutex> lock(mutex_);
-  if (crc != expected) {
-    if (incoming->failure.empty())
-      incoming->failure = "chunk " + std::to_string(chunk) + " arrived corrupt (CRC32C mismatch)";
-    arrived_.notify_all();
-    return Status(StatusCode::kChecksumMismatch, incoming->failure);
-  }
-  if (!incoming->arrived[chunk]) {
-    incoming->arrived[chunk] = 1;
-    incoming->arrived_count++;
+  write->store = nullptr;
+  v.writers--;
+  if (!landed) {
+    v.arrived[write->chunk] = 0;  // the chunk may come again, on another connection
+  } else if (crc != v.meta.checksums[write->chunk]) {
+    if (v.failure.empty()) v.failure = "chunk " + std::to_string(write->chunk) + " arrived corrupt (CRC32C mismatch)";
+    *result = Status(StatusCode::kChecksumMismatch, v.failure);
+  } else {
+    v.arrived[write->chunk] = 2;
+    v.arrived_count++;
   }
   arrived_.notify_all();
-  return Status::Ok();
+}
+
+size_t ReplicaStore::reservation(int source_rank) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = sources_.find(source_rank);
+  return it == sources_.end() ? 0 : it->second.reserved_per_version;
 }
 
 Status ReplicaStore::commit(int source_rank, int64_t version, Deadline deadline) {
@@ -153,8 +200,10 @@ Status ReplicaStore::commit(int source_rank, int64_t version, Deadline deadline)
   if (!incoming)
     return Status(StatusCode::kProtocolError, "commit of rank " + std::to_string(source_rank) + " version " +
                                                   std::to_string(version) + " without a matching begin");
+  // No write may still be in progress when the version becomes visible.
   const bool complete = arrived_.wait_until(lock, deadline, [&] {
-    return current() != incoming || !incoming->failure.empty() || incoming->arrived_count == incoming->arrived.size();
+    return current() != incoming || !incoming->failure.empty() ||
+           (incoming->arrived_count == incoming->arrived.size() && incoming->writers == 0);
   });
   if (current() != incoming)
     return Status(StatusCode::kAborted, "version " + std::to_string(version) + " was replaced before it committed");
@@ -221,8 +270,8 @@ size_t ReplicaStore::held_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   size_t total = 0;
   for (const auto& [rank, source] : sources_)
-    for (const auto* v : {&source.committed, &source.incoming, &source.spare})
-      if (*v) total += (*v)->region.size();
+    for (const auto& region : source.regions)
+      if (auto alive = region.lock()) total += alive->region.size();
   return total;
 }
 

@@ -8,8 +8,16 @@
 // the next one begins (e.g. after its sender died).
 //
 // Memory is bounded: reserve() accounts two versions of each source against
-// the budget when replication is set up, and a version larger than its
-// reservation is refused on arrival. Versions are held in host memory, or in
+// the budget when replication is set up and allocates their two regions; a
+// version larger than its reservation is refused on arrival, and so is one for
+// which neither region is free (a slow reader or a stalled writer holds them):
+// nothing is ever allocated beyond the two, and held_bytes() counts every
+// region still alive.
+//
+// Versions cannot be forged by a member: a new version must be newer than the
+// committed one and at most kMaxVersionStep ahead of it; every chunk is written
+// under a writer count that commit() waits for, and a chunk may only be written
+// once, into the version still incoming. Versions are held in host memory, or in
 // the memory of one CUDA device (create() with a device index, GPU nodes): the
 // tcp server then stages each chunk through pinned host memory.
 //
@@ -60,14 +68,32 @@ struct ReplicaVersion {
   ReplicaVersion(std::shared_ptr<DeviceCopyEngine> engine, int device) : region(std::move(engine), device) {}
   VersionMeta meta;
   ReplicaMemory region;
-  std::vector<uint8_t> arrived;  // per chunk: 0 missing, 1 verified
+  std::vector<uint8_t> arrived;  // per chunk: 0 missing, 1 being written, 2 verified
   size_t arrived_count = 0;
+  size_t writers = 0;            // chunks being written into the region now
   std::string failure;           // first chunk that failed verification
   bool complete = false;         // committed once, and not reused for a newer version since
 };
 
 class ReplicaStore {
  public:
+  // How far ahead of the committed version a new one may be (steps advance by
+  // one, or by snapshot_every): a member cannot poison its replica with a
+  // version no real step will ever pass.
+  static constexpr int64_t kMaxVersionStep = 1 << 16;
+
+  // One chunk being written (expect_chunk). Its destructor gives the chunk back
+  // if chunk_arrived() was not called (the connection failed mid-chunk).
+  struct ChunkWrite {
+    ChunkWrite() = default;
+    ChunkWrite(const ChunkWrite&) = delete;
+    ChunkWrite& operator=(const ChunkWrite&) = delete;
+    ~ChunkWrite();
+    std::shared_ptr<ReplicaVersion> version;
+    uint32_t chunk = 0;
+    ReplicaStore* store = nullptr;
+  };
+
   // device kHostDevice: replicas in host memory (budget_bytes 0: half of
   // physical memory). Else a CUDA device index, with an explicit budget
   // (kUnavailable without CUDA or a GPU).
@@ -82,16 +108,20 @@ class ReplicaStore {
 
   // Starts receiving (meta.source_rank, meta.version); drops any partial
   // incoming version of that source. kBudgetExceeded beyond the reservation,
-  // kNotFound for a source with no reservation.
+  // kNotFound for a source with no reservation, kInvalidArgument for a version
+  // not newer than the committed one or too far ahead of it, kBusy when both
+  // regions are still held by a reader or a stalled writer.
   Status begin(const VersionMeta& meta);
-  // Checks that chunk `chunk` belongs to the incoming version and has exactly
-  // `length` bytes (kProtocolError otherwise) and hands out that version, to
-  // hold alive while the chunk is written into its place in the region.
-  Status expect_chunk(int source_rank, int64_t version, uint32_t chunk, uint64_t length,
-                      std::shared_ptr<ReplicaVersion>* incoming);
-  // Records a chunk that landed with CRC32C `crc` (kChecksumMismatch, failing
-  // the version, when it differs from the metadata's).
-  Status chunk_arrived(const std::shared_ptr<ReplicaVersion>& incoming, uint32_t chunk, uint32_t crc);
+  // Checks that chunk `chunk` belongs to the incoming version, has exactly
+  // `length` bytes and was not written yet (kProtocolError otherwise), and
+  // hands out the write: the version, held alive and counted as written to
+  // while the chunk lands in its place in the region.
+  Status expect_chunk(int source_rank, int64_t version, uint32_t chunk, uint64_t length, ChunkWrite* write);
+  // Ends a write whose chunk landed with CRC32C `crc` (kChecksumMismatch,
+  // failing the version, when it differs from the metadata's).
+  Status chunk_arrived(ChunkWrite* write, uint32_t crc);
+  // Bytes per version reserved for `source_rank` (0: none).
+  size_t reservation(int source_rank) const;
   // Waits until every chunk of the incoming version arrived, then makes it the
   // committed one. kTimeout, or kChecksumMismatch when a chunk failed.
   Status commit(int source_rank, int64_t version, Deadline deadline);
@@ -122,8 +152,11 @@ class ReplicaStore {
     return std::make_shared<ReplicaVersion>(engine_, device_);
   }
 
+  void end_write(ChunkWrite* write, bool landed, uint32_t crc, Status* result);
+
   struct Source {
     size_t reserved_per_version = 0;
+    std::vector<std::weak_ptr<ReplicaVersion>> regions;  // every region allocated for it and still alive
     std::shared_ptr<ReplicaVersion> committed;
     std::shared_ptr<ReplicaVersion> incoming;
     std::shared_ptr<ReplicaVersion> spare;  // the region for the next version; until then it may still

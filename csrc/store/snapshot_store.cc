@@ -29,6 +29,7 @@ struct SnapshotStore::Slot {
   std::vector<uint32_t> checksums;
   HostRegion region;
   bool pinned = false;
+  size_t readers = 0;  // views whose pin is held (guarded by the store's mutex)
 };
 
 struct SnapshotStore::InFlight {
@@ -213,14 +214,23 @@ Status SnapshotStore::reserve_slot(int64_t version, std::shared_ptr<const Layout
     return Status(StatusCode::kInvalidArgument,
                   "version " + std::to_string(version) + " is not newer than committed version " +
                       std::to_string(newest) + "; versions are step numbers and must increase (restore() rolls back)");
+  // An empty slot, else the oldest committed one; never the newest committed
+  // version, and never a slot whose bytes a reader holds (wait for it).
   size_t target = slots_.size();
-  for (size_t i = 0; i < slots_.size(); i++) {
-    const Slot& s = *slots_[i];
-    if (s.state == Slot::State::kEmpty) {
-      target = i;
-      break;
+  for (;;) {
+    for (size_t i = 0; i < slots_.size(); i++) {
+      const Slot& s = *slots_[i];
+      if (s.readers > 0 || s.state == Slot::State::kInFlight ||
+          (s.state == Slot::State::kCommitted && s.version == newest))
+        continue;
+      if (s.state == Slot::State::kEmpty) {
+        target = i;
+        break;
+      }
+      if (target == slots_.size() || s.version < slots_[target]->version) target = i;
     }
-    if (target == slots_.size() || s.version < slots_[target]->version) target = i;
+    if (target != slots_.size()) break;
+    unpinned_.wait(lock);
   }
   Slot& chosen = *slots_[target];
   chosen.state = Slot::State::kInFlight;
@@ -588,7 +598,10 @@ Status SnapshotStore::close() {
   cancel_in_flight();
   closed_ = true;
   Status result;
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  unpinned_.wait(lock, [&] {
+    return std::all_of(slots_.begin(), slots_.end(), [](const std::unique_ptr<Slot>& s) { return s->readers == 0; });
+  });
   for (auto& s : slots_) {
     if (s->pinned) {
       Status st = device_->unpin(s->region.data());
@@ -642,6 +655,13 @@ Status SnapshotStore::view(int64_t version, VersionView* out) const {
     out->data = s->region.data();
     out->mutable_data = s->region.data();
     out->nbytes = s->layout->region_bytes;
+    s->readers++;
+    Slot* slot = s.get();
+    out->pin = std::shared_ptr<const void>(slot, [this, slot](const void*) {
+      std::lock_guard<std::mutex> relock(mutex_);
+      slot->readers--;
+      unpinned_.notify_all();
+    });
     return Status::Ok();
   }
   return Status(StatusCode::kNotFound, version < 0 ? std::string("no committed snapshot here")

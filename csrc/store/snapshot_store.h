@@ -62,6 +62,9 @@ struct VersionView {
   const unsigned char* data = nullptr;
   unsigned char* mutable_data = nullptr;  // for transports and fault-injection tests
   size_t nbytes = 0;
+  // Holds the slot: no snapshot reuses it, and close() waits, while a copy of
+  // this pin lives (a server sending its bytes). Release it promptly.
+  std::shared_ptr<const void> pin;
 };
 
 struct MemoryReport {
@@ -143,8 +146,8 @@ class SnapshotStore {
   int64_t in_flight_version() const;  // -1 when none
   MemoryReport memory() const;
   // A committed version's bytes and layout (`version` -1: the newest; kNotFound
-  // otherwise). The view stays valid until the slot is reused by a later
-  // snapshot or the store closes.
+  // otherwise). The view stays valid while its pin is held; without the pin,
+  // until the slot is reused by a later snapshot or the store closes.
   Status view(int64_t version, VersionView* out) const;
 
   // Where `version` (committed or in flight) lies in this process's memory, for
@@ -193,6 +196,7 @@ class SnapshotStore {
   std::vector<unsigned char*> live_ptrs_;  // registered pointer of each layout_ buffer
 
   mutable std::mutex mutex_;  // guards slots_' states and in_flight_
+  mutable std::condition_variable unpinned_;  // a view's pin was released
   std::vector<std::unique_ptr<Slot>> slots_;
   std::shared_ptr<InFlight> in_flight_;
   bool closed_ = false;

@@ -153,14 +153,22 @@ class TcpServer:
         host: str = "127.0.0.1",
         port: int = 0,
         io_timeout_ms: int = 30000,
-    ) -> None: ...
+        protection: str = "authenticated",
+        max_handshaking: int = 16,
+        max_per_peer: int = 16,
+        max_connections: int = 256,
+    ) -> None:
+        """protection: "authenticated" (an AES-256-GCM tag on every frame), "encrypted" or
+        "trusted-fabric" (none), the same as every client's. The limits: connections in
+        their handshake, per authenticated rank, in all; the excess is closed at once."""
     def serve(self, index: int, store: SnapshotStore) -> None:
         """Serve pulls of this rank's state kept in `store` as store `index` (>= 1, unused)."""
     @property
     def port(self) -> int: ...
     def stop(self) -> None: ...
     def stats(self) -> Dict[str, int]:
-        """{accepted, rejected, active} connections."""
+        """{accepted, rejected, refused, active} connections: refused ones were over a
+        limit or found no thread to serve them."""
 
 class Transport:
     """One transport interface (csrc/net/transport.h): blocking, GIL released."""
@@ -185,6 +193,7 @@ class TcpTransport(Transport):
         connections_per_peer: int = 4,
         connect_timeout_ms: int = 5000,
         io_timeout_ms: int = 30000,
+        protection: str = "authenticated",
     ) -> None: ...
     def add_peer(self, rank: int, host: str, port: int) -> None: ...
 
@@ -215,7 +224,10 @@ class PullSource:
     pid: int
     region: int
 
-def hmac_sha256(key: bytes, data: bytes) -> bytes: ...
+def hmac_sha256(key: bytes, data: bytes) -> bytes:
+    """HMAC-SHA256 by the system's libcrypto (UnavailableError without one)."""
+def crypto_library() -> str:
+    """Where libcrypto was found ("already loaded" or a path); UnavailableError says why not."""
 def nccl_load() -> Dict[str, Any]:
     """Find libnccl at run time: {version, version_code, origin}; UnavailableError says why not."""
 def nccl_unique_id() -> bytes: ...

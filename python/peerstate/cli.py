@@ -23,7 +23,8 @@ def _run(args: argparse.Namespace) -> int:
                          host=args.host, log_dir=args.log_dir, hang_timeout=args.hang_timeout,
                          lease_timeout=args.lease_timeout, spare_timeout=args.spare_timeout,
                          join_timeout=args.join_timeout, checkpoint_dir=args.checkpoint_dir,
-                         checkpoint_every=args.checkpoint_every, inject=args.inject)
+                         checkpoint_every=args.checkpoint_every, inject=args.inject, secret_file=args.secret_file,
+                         frame_protection=args.frame_protection)
     try:
         agent = Agent(config)
     except Error as error:
@@ -81,6 +82,14 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint-dir", default=None, help="disk checkpoints (torch.distributed.checkpoint), "
                      "the fallback when every copy of a rank's state is lost")
     run.add_argument("--checkpoint-every", type=int, default=0, help="steps between disk checkpoints")
+    run.add_argument("--frame-protection", default="authenticated",
+                     choices=["authenticated", "encrypted", "trusted-fabric"],
+                     help="replication frames after the handshake: an AES-256-GCM tag on each (default), also "
+                          "encrypted, or no per-frame protection (trusted-fabric: an explicit opt-out for a network "
+                          "whose every host is trusted)")
+    run.add_argument("--secret-file", default=None,
+                     help="the job secret (hex, mode 0600), when PEERSTATE_SECRET is not set; the same on every "
+                          "node (created if absent on a one-node job). A one-node job without either makes one")
     run.add_argument("--inject", action="append", default=[], metavar="SPEC",
                      help="inject a fault, e.g. kill:rank=2:step=10, hang:rank=1:time=30, "
                           "kill-node:node=1:step=20, random:mtbf=20:seed=7:max=3 (repeatable)")

@@ -8,7 +8,10 @@ import pytest
 
 import peerstate
 from peerstate import InvalidArgumentError
-from peerstate.control.environment import WorkerEnvironment, parse_secret
+import os
+import stat
+
+from peerstate.control.environment import WorkerEnvironment, job_secret, parse_secret
 
 PACKAGE = Path(peerstate.__file__).parent
 # The first component of every key family in keys.py.
@@ -40,10 +43,14 @@ def test_the_environment_round_trips():
 
 
 def test_a_spare_gets_no_rank_and_reads_back_as_a_spare():
-    env = WorkerEnvironment(store="h:1", worker="n0.2", spare=True, world_size=2, nproc_per_node=2, node=0)
+    env = WorkerEnvironment(store="h:1", worker="n0.2", spare=True, world_size=2, nproc_per_node=2, node=0,
+                            secret=b"k" * 16)
     variables = env.to_env()
     assert "RANK" not in variables
     assert WorkerEnvironment.from_env(variables) == env
+    del variables["PEERSTATE_SECRET"]
+    with pytest.raises(InvalidArgumentError, match="PEERSTATE_SECRET is not set"):
+        WorkerEnvironment.from_env(variables)
 
 
 def test_outside_peerstate_run_the_error_says_how_to_start():
@@ -53,7 +60,7 @@ def test_outside_peerstate_run_the_error_says_how_to_start():
 
 def test_a_missing_variable_is_named():
     variables = WorkerEnvironment(store="h:1", worker="n0.0", spare=False, world_size=2, nproc_per_node=2, node=0,
-                                  rank=0).to_env()
+                                  rank=0, secret=b"k" * 16).to_env()
     del variables["WORLD_SIZE"]
     with pytest.raises(InvalidArgumentError, match="WORLD_SIZE is not set"):
         WorkerEnvironment.from_env(variables)
@@ -74,3 +81,32 @@ def test_a_bad_secret_stops_the_agent_before_any_worker_starts(monkeypatch, tmp_
     with pytest.raises(InvalidArgumentError, match="PEERSTATE_SECRET holds 2 bytes"):
         Agent(AgentConfig(script=["train.py"], nproc_per_node=1, log_dir=str(tmp_path)))
     assert not list(tmp_path.glob("*.log"))
+
+
+def test_the_secret_comes_from_the_environment_or_a_file_never_from_the_store(tmp_path):
+    assert job_secret(4, env={"PEERSTATE_SECRET": "ab" * 16}) == b"\xab" * 16
+    with pytest.raises(InvalidArgumentError, match="a job of 2 nodes needs one secret on every node"):
+        job_secret(2, env={})
+    assert len(job_secret(1, env={})) == 32  # a one-node job: made in the agent, handed to its children
+    missing = tmp_path / "absent.secret"
+    with pytest.raises(InvalidArgumentError, match="does not exist: a job of 3 nodes"):
+        job_secret(3, str(missing), env={})
+    made = job_secret(1, str(missing), env={})  # a one-node job creates it, private
+    assert stat.S_IMODE(os.stat(missing).st_mode) == 0o600
+    assert job_secret(3, str(missing), env={}) == made  # and every later agent reads the same one
+    os.chmod(missing, 0o644)
+    with pytest.raises(InvalidArgumentError, match="readable by others"):
+        job_secret(3, str(missing), env={})
+    bad = tmp_path / "bad.secret"
+    bad.write_text("not hex")
+    os.chmod(bad, 0o600)
+    with pytest.raises(InvalidArgumentError, match="the secret file .*bad.secret must be hexadecimal"):
+        job_secret(1, str(bad), env={})
+
+
+def test_a_two_node_agent_without_a_secret_stops_before_any_worker_starts(monkeypatch, tmp_path):
+    from peerstate.launcher.agent import Agent, AgentConfig
+
+    monkeypatch.delenv("PEERSTATE_SECRET", raising=False)
+    with pytest.raises(InvalidArgumentError, match="needs one secret on every node"):
+        Agent(AgentConfig(script=["train.py"], nproc_per_node=1, nnodes=2, store="127.0.0.1:1", log_dir=str(tmp_path)))

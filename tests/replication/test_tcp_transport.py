@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 import peerstate
 from peerstate import _C
@@ -34,21 +35,76 @@ def recv_exact(sock, n):
     return data
 
 
-def authenticate(sock, secret=SECRET, rank=0):
+PROTECTIONS = {"authenticated": 1, "encrypted": 2, "trusted-fabric": 3}
+
+
+class Session:
+    """A connection's frames after the handshake, sealed and opened as the wire
+    format describes (AES-256-GCM over header and payload, a nonce that counts the
+    frames of each direction), with the ``cryptography`` package: an independent
+    check of the native implementation."""
+
+    def __init__(self, sock, protection, to_server, to_client):
+        self.sock, self.protection = sock, protection
+        self.seal = AESGCM(to_server) if protection != "trusted-fabric" else None
+        self.open = AESGCM(to_client) if protection != "trusted-fabric" else None
+        self.sent = self.received = 0
+
+    @staticmethod
+    def nonce(counter):
+        return b"\0" * 4 + struct.pack("<Q", counter)
+
+    def frame(self, header, payload=b""):
+        """The bytes of one frame: header, payload and tag."""
+        if self.seal is None:
+            return header + payload
+        nonce = self.nonce(self.sent)
+        self.sent += 1
+        if self.protection == "encrypted":
+            sealed = self.seal.encrypt(nonce, payload, header)
+            return header + sealed
+        return header + payload + self.seal.encrypt(nonce, b"", header + payload)
+
+    def send(self, header, payload=b""):
+        self.sock.sendall(self.frame(header, payload))
+
+    def recv(self):
+        """(header fields, payload) of the next frame from the server, its tag checked."""
+        header = recv_exact(self.sock, HEADER.size)
+        fields = HEADER.unpack(header)
+        payload = recv_exact(self.sock, fields[6])
+        if self.open is not None:
+            nonce = self.nonce(self.received)
+            self.received += 1
+            tag = recv_exact(self.sock, 16)
+            if self.protection == "encrypted":
+                payload = self.open.decrypt(nonce, payload + tag, header)
+            else:
+                self.open.decrypt(nonce, tag, header + payload)
+        return fields, payload
+
+
+def authenticate(sock, secret=SECRET, rank=0, protection="authenticated"):
     """The client side of the handshake, written from the protocol description with
     Python's own hmac: an independent check of the native implementation."""
-    assert recv_exact(sock, 8) == b"PSAUTH01"
+    assert recv_exact(sock, 8) == b"PSAUTH02"
     server_nonce = recv_exact(sock, 32)
     client_nonce = os.urandom(32)
-    rank_bytes = struct.pack("<i", rank)
-    proof = hmac.new(secret, b"peerstate-client" + server_nonce + client_nonce + rank_bytes, hashlib.sha256).digest()
-    sock.sendall(client_nonce + proof + rank_bytes)
+    bound = struct.pack("<iB", rank, PROTECTIONS[protection])
+    proof = hmac.new(secret, b"peerstate-client" + server_nonce + client_nonce + bound, hashlib.sha256).digest()
+    sock.sendall(client_nonce + proof + bound)
     answer = recv_exact(sock, 32)
-    assert answer == hmac.new(secret, b"peerstate-server" + client_nonce + server_nonce, hashlib.sha256).digest()
+    assert answer == hmac.new(secret, b"peerstate-server" + client_nonce + server_nonce + bound[4:],
+                              hashlib.sha256).digest()
+
+    def key(label):
+        return hmac.new(secret, label + server_nonce + client_nonce, hashlib.sha256).digest()
+
+    return Session(sock, protection, key(b"peerstate-frames-to-server"), key(b"peerstate-frames-to-client"))
 
 
-def frame(type_, source_rank=0, chunk=0, version=0, length=0, crc=0, magic=MAGIC):
-    return HEADER.pack(magic, type_, 0, source_rank, chunk, version, length, crc, 0)
+def frame(type_, source_rank=0, chunk=0, version=0, length=0, crc=0, magic=MAGIC, status=0):
+    return HEADER.pack(magic, type_, status, source_rank, chunk, version, length, crc, 0)
 
 
 def closed_by_server(sock, timeout=5.0):
@@ -175,23 +231,31 @@ def test_garbage_instead_of_a_handshake(rig, payload):
 
 def test_frames_that_close_the_connection(rig):
     meta = rig.valid_meta_bytes()
-    cases = {
-        "bad magic": frame(GET_META, magic=0xDEADBEEF),
-        "unknown type": frame(77),
-        "server-only type": frame(ACK),
-        "oversized metadata": frame(PUT_BEGIN, length=(256 << 20) + 1),
-        "truncated header": frame(GET_META)[:20],
-        "truncated metadata": frame(PUT_BEGIN, version=100, length=len(meta)) + meta[: len(meta) // 2],
-        "lying buffer count": frame(PUT_BEGIN, version=100, length=24) + struct.pack("<iqQI", 0, 100, 65536, 10**9),
-        "another rank's state": frame(PUT_BEGIN, version=100, length=len(meta)) + rig.valid_meta_bytes(rank=5),
-        "chunk without begin": frame(PUT_CHUNK, version=555, chunk=0, length=64),
-        "request with payload": frame(GET_META, length=8) + b"12345678",
+    get_newest = frame(GET_META, status=1)
+    cases = {  # each builds, from the connection's session, what is sent after the handshake
+        "bad magic": lambda s: s.frame(frame(GET_META, magic=0xDEADBEEF)),
+        "unknown type": lambda s: s.frame(frame(77)),
+        "server-only type": lambda s: s.frame(frame(ACK)),
+        "oversized metadata": lambda s: frame(PUT_BEGIN, length=(64 << 20) + 1),
+        "metadata over the reservation's bound": lambda s: frame(PUT_BEGIN, length=(2 << 20) + 1),
+        "truncated header": lambda s: frame(GET_META)[:20],
+        "truncated metadata": lambda s: frame(PUT_BEGIN, version=100, length=len(meta)) + meta[: len(meta) // 2],
+        "lying buffer count": lambda s: s.frame(frame(PUT_BEGIN, version=100, length=24),
+                                                struct.pack("<iqQI", 0, 100, 65536, 10**9)),
+        "another rank's state": lambda s: s.frame(frame(PUT_BEGIN, version=100, length=len(meta)),
+                                                  rig.valid_meta_bytes(rank=5)),
+        "chunk without begin": lambda s: frame(PUT_CHUNK, version=555, chunk=0, length=64),
+        "request with payload": lambda s: frame(GET_META, length=8) + b"12345678",
+        "negative version without asking for the newest": lambda s: s.frame(frame(GET_META, version=-1)),
+        "no tag": lambda s: get_newest + b"\0" * 16,
+        "altered header": lambda s: (lambda f: f[:16] + bytes([f[16] ^ 1]) + f[17:])(s.frame(get_newest)),
+        "replayed frame": lambda s: (lambda f: f + f)(s.frame(get_newest)),
     }
     before = rig.server.stats()["rejected"]
-    for name, data in cases.items():
+    for name, build in cases.items():
         with rig.connect() as sock:
-            authenticate(sock)
-            sock.sendall(data)
+            session = authenticate(sock)
+            sock.sendall(build(session))
             if name.startswith("truncated"):
                 sock.shutdown(socket.SHUT_WR)
             assert closed_by_server(sock), name
@@ -204,10 +268,9 @@ def test_lying_chunk_index_and_length_after_a_valid_begin(rig):
     chunks = rig.meta["chunks"]
     for chunk, length in [(len(chunks), chunks[0][1]), (10**6, 16), (0, chunks[0][1] + 1), (0, 1 << 40)]:
         with rig.connect() as sock:
-            authenticate(sock)
-            sock.sendall(frame(PUT_BEGIN, version=100, length=len(meta)) + meta)
-            reply = HEADER.unpack(recv_exact(sock, HEADER.size))
-            assert reply[1] == ACK
+            session = authenticate(sock)
+            session.send(frame(PUT_BEGIN, version=100, length=len(meta)), meta)
+            assert session.recv()[0][1] == ACK
             sock.sendall(frame(PUT_CHUNK, version=100, chunk=chunk, length=length) + b"\xff" * min(length, 1 << 16))
             assert closed_by_server(sock), (chunk, length)
     rig.assert_intact()
@@ -215,20 +278,20 @@ def test_lying_chunk_index_and_length_after_a_valid_begin(rig):
 
 def test_errors_that_keep_the_connection(rig):
     with rig.connect() as sock:
-        authenticate(sock)
-        sock.sendall(frame(GET_CHUNK, source_rank=0, version=1, chunk=10**6))
-        reply = HEADER.unpack(recv_exact(sock, HEADER.size))
-        assert reply[1] == ERROR and b"out of range" in recv_exact(sock, reply[6])
-        sock.sendall(frame(GET_META, source_rank=42, version=-1))
-        reply = HEADER.unpack(recv_exact(sock, HEADER.size))
-        assert reply[1] == ERROR and b"rank 42" in recv_exact(sock, reply[6])
+        session = authenticate(sock)
+        session.send(frame(GET_CHUNK, source_rank=0, version=1, chunk=10**6))
+        reply, message = session.recv()
+        assert reply[1] == ERROR and b"out of range" in message
+        session.send(frame(GET_META, source_rank=42, status=1))
+        reply, message = session.recv()
+        assert reply[1] == ERROR and b"rank 42" in message
         # A commit whose chunks never came fails after the io timeout; nothing becomes visible.
         meta = rig.valid_meta_bytes(version=100)
-        sock.sendall(frame(PUT_BEGIN, version=100, length=len(meta)) + meta)
-        assert HEADER.unpack(recv_exact(sock, HEADER.size))[1] == ACK
-        sock.sendall(frame(PUT_COMMIT, version=100))
-        reply = HEADER.unpack(recv_exact(sock, HEADER.size))
-        assert reply[1] == ERROR and b"chunks arrived" in recv_exact(sock, reply[6])
+        session.send(frame(PUT_BEGIN, version=100, length=len(meta)), meta)
+        assert session.recv()[0][1] == ACK
+        session.send(frame(PUT_COMMIT, version=100))
+        reply, message = session.recv()
+        assert reply[1] == ERROR and b"chunks arrived" in message
     rig.assert_intact()
 
 
@@ -236,39 +299,40 @@ def test_corrupted_chunk_never_commits(rig):
     meta = rig.valid_meta_bytes(version=100)
     raw = bytes(rig.source_store.stored_bytes(1))
     with rig.connect() as sock:
-        authenticate(sock)
-        sock.sendall(frame(PUT_BEGIN, version=100, length=len(meta)) + meta)
-        assert HEADER.unpack(recv_exact(sock, HEADER.size))[1] == ACK
+        session = authenticate(sock)
+        session.send(frame(PUT_BEGIN, version=100, length=len(meta)), meta)
+        assert session.recv()[0][1] == ACK
         for c, (offset, nbytes, _) in enumerate(rig.meta["chunks"]):
             payload = bytearray(raw[offset : offset + nbytes])
             if c == 1:
-                payload[5] ^= 0x10  # one bit flipped in transit
-            sock.sendall(frame(PUT_CHUNK, version=100, chunk=c, length=nbytes) + payload)
-        sock.sendall(frame(PUT_COMMIT, version=100))
-        reply = HEADER.unpack(recv_exact(sock, HEADER.size))
-        assert reply[1] == ERROR and b"chunk 1 arrived corrupt" in recv_exact(sock, reply[6])
+                payload[5] ^= 0x10  # one bit flipped before it was sealed: the CRC32C catches it
+            session.send(frame(PUT_CHUNK, version=100, chunk=c, length=nbytes), bytes(payload))
+        session.send(frame(PUT_COMMIT, version=100))
+        reply, message = session.recv()
+        assert reply[1] == ERROR and b"chunk 1 arrived corrupt" in message
     rig.assert_intact()
 
 
 def test_fuzz_mutated_frames(rig):
-    """A bounded fuzz loop: valid begin+chunk sequences with random bytes flipped,
-    truncated or extended. No commit is ever sent, so nothing may become visible."""
+    """A bounded fuzz loop over authenticated connections: valid begin+chunk
+    sequences, sealed for the connection, with random bytes flipped, truncated or
+    extended. No commit is ever sent, so nothing may become visible."""
     rng = random.Random(int(os.environ.get("PEERSTATE_TEST_SEED", "1234")))
     meta = rig.valid_meta_bytes(version=100)
     raw = bytes(rig.source_store.stored_bytes(1))
     offset, nbytes, _ = rig.meta["chunks"][0]
-    valid = frame(PUT_BEGIN, version=100, length=len(meta)) + meta
-    valid += frame(PUT_CHUNK, version=100, chunk=0, length=nbytes) + raw[offset : offset + nbytes]
     deadline = time.monotonic() + 15
     iterations = 0
     while iterations < 200 and time.monotonic() < deadline:
-        data = bytearray(valid)
-        for _ in range(rng.randint(1, 8)):
-            data[rng.randrange(0, min(len(data), 4096))] = rng.randrange(256)  # headers and metadata
-        if rng.random() < 0.3:
-            data = data[: rng.randrange(1, len(data))]
         with rig.connect() as sock:
-            authenticate(sock)
+            session = authenticate(sock)
+            data = bytearray(session.frame(frame(PUT_BEGIN, version=100, length=len(meta)), meta) +
+                             session.frame(frame(PUT_CHUNK, version=100, chunk=0, length=nbytes),
+                                           raw[offset : offset + nbytes]))
+            for _ in range(rng.randint(1, 8)):
+                data[rng.randrange(0, min(len(data), 4096))] = rng.randrange(256)  # headers and metadata
+            if rng.random() < 0.3:
+                data = data[: rng.randrange(1, len(data))]
             try:
                 sock.sendall(bytes(data))
                 sock.shutdown(socket.SHUT_WR)

@@ -10,6 +10,8 @@ for an initial worker; a spare gets them once it is given a rank).
 from __future__ import annotations
 
 import os
+import secrets
+import stat
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
@@ -22,19 +24,52 @@ SECRET_VARIABLE = "PEERSTATE_SECRET"
 MIN_SECRET_BYTES = 16
 
 
-def parse_secret(text: str) -> bytes:
-    """The job secret from its hex form (PEERSTATE_SECRET); InvalidArgumentError
+def parse_secret(text: str, source: str = SECRET_VARIABLE) -> bytes:
+    """The job secret from its hex form, read from ``source``; InvalidArgumentError
     naming what is wrong with it otherwise."""
     try:
         secret = bytes.fromhex(text)
     except ValueError:
-        raise InvalidArgumentError(f"{SECRET_VARIABLE} must be hexadecimal (e.g. the output of "
+        raise InvalidArgumentError(f"{source} must be hexadecimal (e.g. the output of "
                                    "`python -c 'import secrets; print(secrets.token_hex(32))'`); "
                                    f"it holds {len(text)} characters that are not") from None
     if len(secret) < MIN_SECRET_BYTES:
-        raise InvalidArgumentError(f"{SECRET_VARIABLE} holds {len(secret)} bytes; the job secret needs at least "
+        raise InvalidArgumentError(f"{source} holds {len(secret)} bytes; the job secret needs at least "
                                    f"{MIN_SECRET_BYTES} (32 hexadecimal digits)")
     return secret
+
+
+def job_secret(nnodes: int, secret_file: Optional[str] = None, env: Mapping[str, str] = os.environ) -> bytes:
+    """The job's replication secret, as an agent finds it: PEERSTATE_SECRET, else
+    ``secret_file`` (hex; created with mode 0600 if absent on a one-node job), else
+    a fresh one for a one-node job. Never from the job's store, which anyone who
+    reaches its port can read. InvalidArgumentError names what is missing or wrong.
+
+    Who must be trusted: every holder of the secret (it lets a peer push and pull
+    any rank's state), and the store's network (whoever reaches the store can
+    disturb the control plane, though it learns no secret there)."""
+    if env.get(SECRET_VARIABLE):
+        return parse_secret(env[SECRET_VARIABLE])
+    if secret_file:
+        if not os.path.exists(secret_file):
+            if nnodes > 1:
+                raise InvalidArgumentError(
+                    f"the secret file {secret_file} does not exist: a job of {nnodes} nodes needs the same secret on "
+                    "every node; create it once (python -c 'import secrets; print(secrets.token_hex(32))' > FILE; "
+                    "chmod 600 FILE) and give it to every agent")
+            descriptor = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as out:
+                out.write(secrets.token_hex(32) + "\n")
+        mode = os.stat(secret_file).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise InvalidArgumentError(f"the secret file {secret_file} is readable by others (mode "
+                                       f"{stat.S_IMODE(mode):o}); chmod 600 it")
+        with open(secret_file) as source:
+            return parse_secret(source.read().strip(), f"the secret file {secret_file}")
+    if nnodes > 1:
+        raise InvalidArgumentError(f"a job of {nnodes} nodes needs one secret on every node: set {SECRET_VARIABLE} "
+                                   "(hex, at least 16 bytes) or give every agent --secret-file")
+    return secrets.token_bytes(32)
 
 
 @dataclass(frozen=True)
@@ -50,10 +85,11 @@ class WorkerEnvironment:
     host: str = "127.0.0.1"    # the address its replication server listens on
     progress: Optional[str] = None   # its progress counter's file
     events: Optional[str] = None     # the job's event log
-    secret: Optional[bytes] = None
+    secret: Optional[bytes] = None   # the job secret (always set by the agent)
     rank: Optional[int] = None       # an initial worker's rank
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
+    protection: str = "authenticated"  # of the replication frames (Replication's protection)
 
     @property
     def store_host(self) -> str:
@@ -69,7 +105,7 @@ class WorkerEnvironment:
             WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(self.nproc_per_node),
             MASTER_ADDR=self.store_host, MASTER_PORT=str(self.store_port), GROUP_RANK=str(self.node),
             PEERSTATE_STORE=self.store, PEERSTATE_WORKER=self.worker, PEERSTATE_HOST=self.host,
-            PEERSTATE_ROLE="spare" if self.spare else "worker",
+            PEERSTATE_ROLE="spare" if self.spare else "worker", PEERSTATE_FRAME_PROTECTION=self.protection,
         )
         if self.progress:
             env["PEERSTATE_PROGRESS"] = self.progress
@@ -100,10 +136,11 @@ class WorkerEnvironment:
                 node=int(env.get("GROUP_RANK", env["PEERSTATE_WORKER"][1:].split(".")[0])),
                 host=env.get("PEERSTATE_HOST", "127.0.0.1"), progress=env.get("PEERSTATE_PROGRESS"),
                 events=env.get("PEERSTATE_EVENTS"),
-                secret=parse_secret(env[SECRET_VARIABLE]) if env.get(SECRET_VARIABLE) else None,
+                secret=parse_secret(env[SECRET_VARIABLE]),
                 rank=None if spare else int(env["RANK"]),
                 checkpoint_dir=env.get("PEERSTATE_CHECKPOINT_DIR"),
-                checkpoint_every=int(env.get("PEERSTATE_CHECKPOINT_EVERY", "0")))
+                checkpoint_every=int(env.get("PEERSTATE_CHECKPOINT_EVERY", "0")),
+                protection=env.get("PEERSTATE_FRAME_PROTECTION", "authenticated"))
             result.store_port
         except KeyError as missing:
             raise InvalidArgumentError(f"{missing.args[0]} is not set: this process was not started by "

@@ -1,4 +1,5 @@
 """Every key the control plane keeps in the job's KeyValueStore, spelled here once.
+No key holds anything that grants access: the job secret is never in the store.
 
 A leaf module (it imports nothing of peerstate), so any plane may name a key.
 The families, with who writes and who reads them:
@@ -6,7 +7,6 @@ The families, with who writes and who reads them:
 Job (written once, read by everyone)
     ``config``                      the job's shape; the first agent sets it, the others must agree
     ``nodes_joined``                counter of the agents that connected
-    ``job/secret``                  the replication secret, when PEERSTATE_SECRET is not set
     ``job/started``                 wall-clock time of the first step (first worker wins)
     ``job/finished``                counter of the ranks that finished the loop
     ``job/failed``                  why the job stops; the first reason wins
@@ -41,7 +41,6 @@ Tools
 
 CONFIG = "config"
 NODES_JOINED = "nodes_joined"
-JOB_SECRET = "job/secret"
 JOB_STARTED = "job/started"
 JOB_FINISHED = "job/finished"
 JOB_FAILED = "job/failed"

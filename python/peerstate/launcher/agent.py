@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from typing import Dict, List, Optional
 from peerstate.control import keys
 from peerstate.control import progress as progress_file
 from peerstate.control.coordinator import Coordinator
-from peerstate.control.environment import SECRET_VARIABLE, WorkerEnvironment, parse_secret
+from peerstate.control.environment import WorkerEnvironment, job_secret
 from peerstate.control.kvstore import TorchKeyValueStore
 from peerstate.control.planning import node_of_worker
 from peerstate.control.progress import ProgressCounter
@@ -59,6 +58,8 @@ class AgentConfig:
     join_timeout: float = 120.0            # how long nodes wait for each other at start
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
+    secret_file: Optional[str] = None      # the job secret, when PEERSTATE_SECRET is not set
+    frame_protection: str = "authenticated"  # of the replication frames, the same on every node
     inject: List[str] = field(default_factory=list)  # fault specs (peerstate.launcher.inject)
     extra_env: Dict[str, str] = field(default_factory=dict)
 
@@ -74,6 +75,9 @@ class AgentConfig:
             raise InvalidArgumentError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes)")
         if not self.script:
             raise InvalidArgumentError("give the training script to run: peerstate run [options] script.py [args]")
+        if self.frame_protection not in ("authenticated", "encrypted", "trusted-fabric"):
+            raise InvalidArgumentError(f"--frame-protection must be authenticated, encrypted or trusted-fabric (got "
+                                       f"{self.frame_protection!r})")
         if ":" not in self.store:
             raise InvalidArgumentError(f"--store must be HOST:PORT (got {self.store!r})")
 
@@ -82,8 +86,8 @@ class Agent:
     def __init__(self, config: AgentConfig) -> None:
         config.validate()
         self.config = config
-        # A bad secret fails here, before anything starts.
-        self._secret_from_env = parse_secret(os.environ[SECRET_VARIABLE]) if os.environ.get(SECRET_VARIABLE) else None
+        # A missing or bad secret fails here, before anything starts.
+        self.secret = job_secret(config.nnodes, config.secret_file)
         self.node = config.node_rank
         self.world_size = config.nnodes * config.nproc_per_node
         self.name = f"agent{self.node}"
@@ -139,11 +143,6 @@ class Agent:
                        "agent needs the same --nnodes and --nproc-per-node")
             self.coordinator.fail_job(message)
             raise JobFailedError(message)
-        if self._secret_from_env is not None:
-            self.secret = self._secret_from_env
-        else:  # the store is unauthenticated: set PEERSTATE_SECRET on every node where that matters
-            self.kv.compare_set(keys.JOB_SECRET, b"", secrets.token_hex(32).encode())
-            self.secret = parse_secret(self.kv.get(keys.JOB_SECRET).decode())
         self.kv.add(keys.NODES_JOINED, 1)
         deadline = time.monotonic() + config.join_timeout
         while self.kv.add(keys.NODES_JOINED, 0) < config.nnodes:
@@ -184,7 +183,8 @@ class Agent:
             store=self.store_address, worker=worker, spare=rank is None, world_size=self.world_size,
             nproc_per_node=config.nproc_per_node, node=self.node, host=config.host, progress=str(counter_path),
             events=str(self.log_dir / "events.jsonl"), secret=self.secret, rank=rank,
-            checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every).to_env())
+            checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
+            protection=config.frame_protection).to_env())
         log = self.log_dir / f"{worker}.log"
         with open(log, "ab") as out:
             popen = subprocess.Popen([sys.executable, *config.script], env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -52,7 +52,12 @@ class Replication:
         replica_budget_bytes: bound on the replicas held here (default: half of RAM).
         replica_device: hold the replicas in the memory of this CUDA device instead of
             host memory (GPU nodes; give replica_budget_bytes too).
-        io_timeout: seconds a transfer step may take before it fails.
+        io_timeout: seconds a transfer step may take before it fails; also how long the
+            server keeps an idle connection.
+        protection: how frames are protected after the handshake, the same on every
+            rank: "authenticated" (default: an AES-256-GCM tag on every frame),
+            "encrypted" (and payloads encrypted), or "trusted-fabric" (no per-frame
+            protection: only for a network whose every host is trusted).
     """
 
     def __init__(
@@ -68,6 +73,7 @@ class Replication:
         replica_budget_bytes: Optional[int] = None,
         replica_device: Optional[int] = None,
         io_timeout: float = 30.0,
+        protection: str = "authenticated",
     ) -> None:
         if not store.native.checksums:
             raise InvalidArgumentError("replication verifies every chunk: create the SnapshotStore with checksums=True")
@@ -79,9 +85,10 @@ class Replication:
         self.replicas = _C.ReplicaStore(budget_bytes=replica_budget_bytes or 0,
                                         device=-1 if replica_device is None else replica_device)
         self.server = _C.TcpServer(self.replicas, store.native, secret=secret, rank=rank, host=host, port=port,
-                                   io_timeout_ms=io_ms)
+                                   io_timeout_ms=io_ms, protection=protection)
         self._transport_options = dict(secret=secret, rank=rank, connections_per_peer=connections_per_peer,
-                                       connect_timeout_ms=min(io_ms, 5000), io_timeout_ms=io_ms)
+                                       connect_timeout_ms=min(io_ms, 5000), io_timeout_ms=io_ms,
+                                       protection=protection)
         self._addresses: Dict[int, Address] = {}
         # The last pull(): its chunks, and how many were read from a same-machine holder's memory.
         self.last_pull = {"chunks": 0, "chunks_from_memory": 0}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,12 +35,18 @@ class LocalJob:
         self.agents: List[subprocess.Popen] = []
         self.agent_logs: List[Path] = []
         store = "127.0.0.1:0"
+        # The simulated nodes share one secret, as real ones would share a file or PEERSTATE_SECRET.
+        secret_file = self.dir / "job.secret"
+        if not secret_file.exists():
+            descriptor = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as out:
+                out.write(secrets.token_hex(32))
         for index, (workers, spares) in enumerate(nodes):
             log = self.dir / f"agent{index}.log"
             self.agent_logs.append(log)
             command = [sys.executable, "-m", "peerstate", "run", "--nnodes", str(len(nodes)), "--node-rank",
                        str(index), "--store", store, "--nproc-per-node", str(workers), "--spares", str(spares),
-                       "--log-dir", str(self.logs), *agent_args, *script]
+                       "--log-dir", str(self.logs), "--secret-file", str(secret_file), *agent_args, *script]
             with open(log, "wb") as out:
                 self.agents.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                                     stdin=subprocess.DEVNULL, start_new_session=True))

@@ -146,7 +146,7 @@ class Job:
         self.progress = ProgressCounter(env.progress) if env.progress else None
         if self.progress:
             self.progress.start_ticking()
-        self._secret = env.secret or bytes.fromhex(self.kv.get(keys.JOB_SECRET).decode())
+        self._secret = env.secret
         # gloo: a collective or a rendezvous that no abort wakes fails on its own well
         # before the deadline (the members reach form() together: a join is a barrier).
         self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,
@@ -312,7 +312,8 @@ class Job:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % self._env.nproc_per_node),
                           GROUP_RANK=str(self._env.node))
         self.replication = Replication(self.tracked.own, rank, self.placement, secret=self._secret,
-                                       host=self._env.host, replica_budget_bytes=self._replica_budget_bytes)
+                                       host=self._env.host, replica_budget_bytes=self._replica_budget_bytes,
+                                       protection=self._env.protection)
         self.joiner.replication = self.restorer.replication = self.boundary.replication = self.replication
         self.boundary.replication_serves_shares()  # a spare registered its share stores before its rank
         self.watcher = self.joiner.watcher = EpochWatcher(self.kv.clone(), plan, self.aborts.on_new_epoch)

@@ -1,0 +1,388 @@
+"""The tcp server against peers that try to exhaust it or forge state: bounded
+connections and threads, deadlines in every phase, frames a relay cannot
+inject or alter, memory within the reservation, versions and commits a member
+cannot poison, and reads of the server's own snapshot that never tear. Real
+sockets on 127.0.0.1, a real server (in this process, or in a child process
+with a descriptor limit of its own)."""
+
+import os
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import peerstate
+from peerstate import _C
+
+from test_tcp_transport import (ACK, CHUNK, ERROR, GET_CHUNK, GET_META, HEADER, PUT_BEGIN, PUT_CHUNK, PUT_COMMIT,
+                                SECRET, Rig, authenticate, closed_by_server, frame, recv_exact)
+
+
+@pytest.fixture
+def rig():
+    r = Rig()
+    yield r
+    r.close()
+
+
+def threads_of_this_process():
+    return len(os.listdir("/proc/self/task"))
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_idle_unauthenticated_connections_get_no_thread_each(rig):
+    before = threads_of_this_process()
+    socks = [socket.create_connection(rig.address, timeout=5) for _ in range(100)]
+    try:
+        time.sleep(0.5)
+        assert threads_of_this_process() - before <= 16 + 2  # max_handshaking, and nothing per extra connection
+        assert rig.server.stats()["refused"] >= 100 - 16
+    finally:
+        for s in socks:
+            s.close()
+    deadline = time.monotonic() + 10  # the ones in their handshake are let go at its 5 s deadline at most
+    while time.monotonic() < deadline:
+        try:
+            rig.assert_intact()
+            return
+        except peerstate.PeerConnectionError:
+            time.sleep(0.2)
+    rig.assert_intact()
+
+
+def test_one_peer_cannot_hold_more_than_its_share_of_connections(rig):
+    socks = []
+    try:
+        for _ in range(40):
+            sock = socket.create_connection(rig.address, timeout=5)
+            authenticate(sock)
+            socks.append(sock)
+        open_ones = [s for s in socks if not closed_by_server(s, timeout=0.2)]
+        assert len(open_ones) <= 16
+    finally:
+        for s in socks:
+            s.close()
+    rig.assert_intact()
+
+
+@pytest.mark.parametrize("sent", [b"", b"\0" * 39], ids=["idle", "39 of 40 header bytes"])
+def test_an_authenticated_connection_that_stops_talking_is_closed(rig, sent):
+    with rig.connect() as sock:
+        authenticate(sock)
+        sock.sendall(sent)
+        start = time.monotonic()
+        assert closed_by_server(sock, timeout=5.0)
+        assert time.monotonic() - start < 3.0  # the rig's io timeout is 1 s
+    rig.assert_intact()
+
+
+SERVER_WITH_FEW_DESCRIPTORS = textwrap.dedent("""
+    import os, resource, sys, time
+    from peerstate import _C
+    replicas = _C.ReplicaStore()
+    server = _C.TcpServer(replicas, None, secret=bytes.fromhex(sys.argv[1]), rank=1, io_timeout_ms=2000)
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 6, used + 6))
+    print(server.port, flush=True)
+    sys.stdin.read()
+    server.stop()
+""")
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_running_out_of_descriptors_backs_off_instead_of_spinning(tmp_path):
+    log = open(tmp_path / "server.log", "w+")
+    server = subprocess.Popen([sys.executable, "-c", SERVER_WITH_FEW_DESCRIPTORS, SECRET.hex()],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+    socks = []
+    try:
+        port = int(server.stdout.readline())
+        for _ in range(30):
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+            except OSError:
+                break
+        time.sleep(0.5)
+        start = cpu_seconds(server.pid)
+        time.sleep(2.0)
+        assert cpu_seconds(server.pid) - start < 0.5  # a retry loop without a pause burns a core
+        log.flush()
+        assert log.tell() < 20_000, "the server's log is flooded"
+        for s in socks:
+            s.close()
+        socks = []
+        time.sleep(1.5)  # the backoff is at most a second
+        transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1)
+        transport.add_peer(1, "127.0.0.1", port)
+        with pytest.raises(peerstate.NotFoundError):  # served again: it holds nothing, and says so
+            transport.describe(1, 0, -1)
+    finally:
+        for s in socks:
+            s.close()
+        server.stdin.close()
+        server.wait(timeout=10)
+        log.close()
+
+
+def forge_first_checksum(meta, chunk_bytes_forged):
+    """The version metadata with chunk 0's CRC32C replaced by that of zeros."""
+    meta = bytearray(meta)
+    at = 4 + 8 + 8
+    (count,) = struct.unpack_from("<I", meta, at)
+    at += 4
+    for _ in range(count):
+        (name,) = struct.unpack_from("<H", meta, at)
+        at += 2 + name + 8 + 4
+        (dtype,) = struct.unpack_from("<H", meta, at)
+        at += 2 + dtype
+    struct.pack_into("<I", meta, at + 4, _C.crc32c(bytes(chunk_bytes_forged)))
+    return bytes(meta)
+
+
+class Relay:
+    """A man in the middle between a real client and the server: forwards both
+    ways, and may forge the client's version: chunk 0's payload zeroed, with its
+    CRC32C fixed to match in the frame and in the version's metadata."""
+
+    def __init__(self, target, protection, rewrite=True):
+        self.target, self.protection, self.rewrite = target, protection, rewrite
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.seen = bytearray()
+        self.rewritten = 0  # chunks
+        self.forged = 0     # metadata
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+
+    def _pipe(self, source, sink, from_client):
+        try:
+            if from_client:  # the handshake's client part, as is
+                sink.sendall(recv_exact(source, 32 + 32 + 5))
+            tag = 0 if self.protection == "trusted-fabric" else 16
+            while True:
+                if not from_client:
+                    data = source.recv(65536)
+                    if not data:
+                        break
+                    sink.sendall(data)
+                    continue
+                header = bytearray(recv_exact(source, HEADER.size))
+                fields = HEADER.unpack(header)
+                payload = recv_exact(source, fields[6]) + recv_exact(source, tag)
+                self.seen += payload
+                if fields[1] == PUT_BEGIN and self.rewrite:
+                    payload = forge_first_checksum(payload[:fields[6]], 64 * 1024) + payload[fields[6]:]
+                    self.forged += 1
+                if fields[1] == PUT_CHUNK and self.rewrite and not self.rewritten:
+                    forged = bytes(fields[6])
+                    header[32:36] = struct.pack("<I", _C.crc32c(forged))
+                    payload = forged + payload[fields[6]:]
+                    self.rewritten += 1
+                sink.sendall(bytes(header) + payload)
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            source.close()
+            sink.close()
+
+    def close(self):
+        self.listener.close()
+
+
+def push_through_relay(protection, rewrite=True):
+    """Version 2 of a one-tensor rank 0, pushed through a Relay to rank 1's server."""
+    source = peerstate.SnapshotStore(chunk_bytes=64 * 1024)
+    state = torch.arange(200_000, dtype=torch.float32)
+    source.register("w", state)
+    source.snapshot(1).wait()
+    replicas = _C.ReplicaStore(budget_bytes=16 << 20)
+    replicas.reserve(0, source.memory()["bytes_per_version"])
+    server = _C.TcpServer(replicas, None, secret=SECRET, rank=1, protection=protection)
+    relay = Relay(("127.0.0.1", server.port), protection, rewrite)
+    transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1, protection=protection)
+    transport.add_peer(1, "127.0.0.1", relay.port)
+    replicator = _C.Replicator(source.native, transport, 0)
+    replicator.replicate(1, [1])
+    [(_, error)] = replicator.wait(1)
+    committed, held = replicas.committed(), (replicas.stored_bytes(0) if replicas.committed() else None)
+    expected = bytes(source.stored_bytes(1))
+    transport.abort()
+    relay.close()
+    server.stop()
+    source.close()
+    return error, committed, held, expected, relay
+
+
+def test_a_relay_that_rewrites_a_chunk_with_a_matching_crc_is_caught():
+    error, committed, _, _, relay = push_through_relay("authenticated")
+    assert relay.forged == 1
+    assert committed == [] and error is not None  # the forged metadata failed its tag: nothing committed
+
+
+def test_without_frame_protection_the_same_relay_forges_the_replica():
+    # The opt-out is real, and the relay above is a real forgery: with trusted-fabric it lands.
+    error, committed, held, expected, relay = push_through_relay("trusted-fabric")
+    assert relay.forged == 1 and relay.rewritten == 1 and error is None and committed == [(0, 1)]
+    assert held != expected
+
+
+@pytest.mark.parametrize("protection", ["authenticated", "encrypted"])
+def test_encrypted_frames_hide_the_state_and_both_modes_deliver_it(protection):
+    error, committed, held, expected, relay = push_through_relay(protection, rewrite=False)
+    assert error is None and committed == [(0, 1)] and held == expected
+    sample = expected[4096:4160]  # 16 floats of the arange, as they travel in clear
+    assert (sample in relay.seen) == (protection == "authenticated")
+
+
+def test_a_protection_mismatch_fails_the_handshake_and_says_so(rig):
+    other = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1, protection="encrypted")
+    other.add_peer(1, *rig.address)
+    with pytest.raises(peerstate.AuthenticationError):
+        other.describe(1, 0, -1)
+    rig.assert_intact()
+
+
+def test_stalled_pushes_are_refused_not_allocated(rig):
+    meta = rig.valid_meta_bytes(version=100)
+    offset, nbytes, _ = rig.meta["chunks"][0]
+    page = os.sysconf("SC_PAGE_SIZE")
+    reservation = -(-rig.source_store.memory()["bytes_per_version"] // page) * page  # regions are whole pages
+    stalled, refused = [], 0
+    try:
+        for i in range(24):
+            sock = rig.connect()
+            session = authenticate(sock)
+            meta = rig.valid_meta_bytes(version=100 + i)
+            session.send(frame(PUT_BEGIN, version=100 + i, length=len(meta)), meta)
+            reply, message = session.recv()
+            if reply[1] == ERROR:
+                assert b"refused, not allocated" in message
+                refused += 1
+                sock.close()
+                continue
+            # Half a chunk, then silence: the writer holds the version's region.
+            sock.sendall(frame(PUT_CHUNK, version=100 + i, chunk=0, length=nbytes) + b"\0" * (nbytes // 2))
+            stalled.append(sock)
+            assert rig.replicas.held_bytes() <= 2 * reservation
+        assert refused >= 20 and rig.replicas.held_bytes() <= 2 * reservation
+    finally:
+        for s in stalled:
+            s.close()
+    time.sleep(0.3)
+    rig.assert_intact()
+
+
+def test_announced_metadata_costs_nothing_until_it_arrives(rig):
+    before = rss_bytes()
+    socks = []
+    try:
+        for _ in range(3):
+            sock = rig.connect()
+            authenticate(sock)
+            sock.sendall(frame(PUT_BEGIN, version=100, length=60 << 20))  # then nothing
+            socks.append(sock)
+        time.sleep(0.3)
+        assert rss_bytes() - before < 32 << 20
+        assert all(closed_by_server(s, timeout=2) for s in socks)  # over the reservation's bound: closed at once
+    finally:
+        for s in socks:
+            s.close()
+    rig.assert_intact()
+
+
+@pytest.mark.parametrize("version,why", [(2**63 - 1, b"ahead of the committed version"),
+                                         (1 + (1 << 16) + 1, b"ahead of the committed version"),
+                                         (1, b"not newer"), (-5, b"negative")])
+def test_a_member_cannot_poison_its_replica_by_version_number(rig, version, why):
+    meta = rig.valid_meta_bytes(version=version)
+    with rig.connect() as sock:
+        session = authenticate(sock)
+        session.send(frame(PUT_BEGIN, version=version, length=len(meta)), meta)
+        reply, message = session.recv()
+        assert reply[1] == ERROR and why in message, message
+    rig.assert_intact()
+    # ...and the rank's next real version still lands.
+    replicator = _C.Replicator(rig.source_store.native, rig.transport, 0)
+    rig.source_store.snapshot(2).wait()
+    replicator.replicate(2, [1])
+    assert replicator.wait(2) == [(1, None)]
+
+
+def test_a_chunk_sent_again_after_it_landed_cannot_touch_the_committed_replica(rig):
+    raw = bytes(rig.source_store.stored_bytes(1))
+    meta = rig.valid_meta_bytes(version=2)
+    chunks = rig.meta["chunks"]
+    with rig.connect() as a, rig.connect() as b:
+        first, second = authenticate(a), authenticate(b)
+        first.send(frame(PUT_BEGIN, version=2, length=len(meta)), meta)
+        assert first.recv()[0][1] == ACK
+        for c, (offset, nbytes, _) in enumerate(chunks):
+            first.send(frame(PUT_CHUNK, version=2, chunk=c, length=nbytes, crc=0), raw[offset:offset + nbytes])
+        # The same chunk again, from another connection, half of it before the commit.
+        offset, nbytes, _ = chunks[0]
+        b.sendall(frame(PUT_CHUNK, version=2, chunk=0, length=nbytes) + b"\xee" * (nbytes // 2))
+        first.send(frame(PUT_COMMIT, version=2))
+        reply, _ = first.recv()
+        assert reply[1] == ACK
+        try:
+            b.sendall(b"\xee" * (nbytes - nbytes // 2))
+        except OSError:
+            pass
+        assert closed_by_server(b)
+    time.sleep(0.2)
+    assert rig.replicas.committed()[0] == (0, 2)
+    assert rig.replicas.stored_bytes(0) == raw  # version 2 carries version 1's bytes, untouched
+
+
+def test_a_slow_reader_of_the_own_snapshot_receives_one_version_whole():
+    store = peerstate.SnapshotStore(max_versions=2, chunk_bytes=8 << 20)
+    state = torch.zeros(2 << 20)  # 8 MiB: one chunk, larger than the socket buffers
+    store.register("own", state)
+    store.snapshot(7).wait()
+    state.fill_(1.0)
+    store.snapshot(8).wait()
+    server = _C.TcpServer(_C.ReplicaStore(), store.native, secret=SECRET, rank=1, io_timeout_ms=10_000)
+    meta = store.version_info(7)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            session = authenticate(sock)
+            session.send(frame(GET_CHUNK, source_rank=1, version=7, chunk=0))
+            time.sleep(0.3)  # the server is blocked mid-send, holding version 7's bytes
+            state.fill_(2.0)
+            snapshot = threading.Thread(target=lambda: store.snapshot(9).wait())
+            snapshot.start()  # needs version 7's slot: it must wait for the reader
+            time.sleep(0.3)
+            assert snapshot.is_alive()
+            reply, payload = session.recv()
+            assert reply[1] == CHUNK and reply[7] == meta["checksums"][0] == _C.crc32c(payload)
+            assert set(payload) == {0}  # all of version 7, none of version 9
+        snapshot.join(timeout=10)
+        assert not snapshot.is_alive() and store.committed_versions() == [8, 9]
+    finally:
+        server.stop()
+        store.close()
