@@ -86,7 +86,7 @@ def test_no_spare_left_is_a_clear_error(kv):
 
 def test_spares_of_a_dead_node_are_not_used(kv):
     c = coordinator(kv)
-    c.mark_node_dead(1)
+    c.declare_node_dead(1, "agent0")
     assert c.ready_spares() == ["n0.2"]
     with pytest.raises(JobFailedError, match="replace rank 3"):  # rank 2 took the only live spare
         c.report_failure(["n1.0", "n1.1"], "node 1 lost", detected_at=1.0, me="a", spare_timeout=0.2)
@@ -128,7 +128,8 @@ def test_a_plan_writer_lost_before_its_plan_is_taken_over(kv):
     waiter.start()
     waiter.join(timeout=1.0)
     assert waiter.is_alive()  # node 1 is not declared lost yet: its writer may still finish
-    c.mark_node_dead(1)  # what agent 0's lease watch does once node 1's lease expires
+    assert c.declare_node_dead(1, "agent0")  # what agent 0's lease watch does once node 1's lease expires
+    assert not c.declare_node_dead(1, "agent2")  # declared once
     waiter.join(timeout=10)
     plan = done[0]
     assert plan.epoch == 1 and plan.failed == [2, 3]

@@ -94,8 +94,9 @@ class Coordinator:
         return [w for w, s in zip(ids, states) if s == b"ready"]
 
     # -- nodes -----------------------------------------------------------------------
-    def mark_node_dead(self, node: int) -> None:
-        self.kv.set(keys.node_dead(node), b"1")
+    def declare_node_dead(self, node: int, me: str) -> bool:
+        """Mark ``node`` lost; True for the one caller that did it (the others see it done)."""
+        return self.kv.compare_set(keys.node_dead(node), b"", me.encode()) == me.encode()
 
     def dead_nodes(self) -> Set[int]:
         nodes = int(json.loads(self.kv.get(keys.CONFIG) or b"{}").get("nnodes", 0))

@@ -4,9 +4,9 @@ It starts this node's workers and hot spares, sees a worker die at once
 (every few milliseconds: ``waitpid``, and before that the kernel's own mark of
 a process that has begun to exit, see ``ExitWatch``), sees a
 worker freeze through its progress counter in shared memory, keeps this node's
-heartbeat lease alive and watches the other nodes', writes recovery plans
-(through the Coordinator) when it sees a failure, refills its spare pool, and
-never restarts a healthy worker. It exits 0 when every rank finished, and
+heartbeat lease alive and watches the next nodes' on a ring (``leases``),
+writes recovery plans (through the Coordinator) when it sees a failure, refills
+its spare pool, and never restarts a healthy worker. It exits 0 when every rank finished, and
 otherwise non-zero with a one-paragraph summary.
 
 Worker names are ``n{node}.{k}``: the first ``nproc_per_node`` are the initial
@@ -36,6 +36,7 @@ from peerstate.control.progress import ProgressCounter
 from peerstate.control.timeline import EventLog
 from peerstate.errors import InvalidArgumentError, JobFailedError
 from peerstate.launcher.inject import Fault, FaultInjector
+from peerstate.launcher.leases import LeaseWatch
 from peerstate.launcher.processes import WorkerProcess, describe_exit, die_with_parent, log_tail
 
 POLL_SECONDS = 0.005
@@ -97,7 +98,6 @@ class Agent:
         self.processes: Dict[str, WorkerProcess] = {}
         self._next_index = config.nproc_per_node
         self._progress_dir = Path("/dev/shm" if os.path.isdir("/dev/shm") else self.log_dir)
-        self._leases: Dict[int, tuple] = {}
         self._reporting = threading.Lock()
         self._stopping = False
         self.injector = FaultInjector(config.inject, world_size=self.world_size, nnodes=config.nnodes,
@@ -136,6 +136,7 @@ class Agent:
         if self.node == 0:
             print(f"peerstate: store at {self.store_address}", file=sys.stderr, flush=True)
         self.coordinator = Coordinator(self.kv)
+        self.leases = LeaseWatch(self.kv, self.coordinator, self.node, config.nnodes, config.lease_timeout, self.name)
         shape = {"nnodes": config.nnodes, "nproc_per_node": config.nproc_per_node, "world_size": self.world_size}
         agreed = json.loads(self.kv.compare_set(keys.CONFIG, b"", json.dumps(shape).encode()))
         if agreed != shape:
@@ -333,25 +334,12 @@ class Agent:
                 os.killpg(process.popen.pid, signal.SIGKILL)  # reaped, and reported, by the next poll
 
     def _check_leases(self, now: float) -> None:
-        others = [n for n in range(self.config.nnodes) if n != self.node]
-        if not others:
-            return
-        values = self.kv.get_many([keys.node_lease(n) for n in others] + [keys.node_dead(n) for n in others] +
-                                  [keys.node_done(n) for n in others])
-        count = len(others)
-        for i, node in enumerate(others):
-            lease, dead, done = values[i], values[count + i], values[2 * count + i]
-            if dead or done or lease is None:
-                continue
-            seen, seen_at = self._leases.get(node, (None, now))
-            if lease != seen:
-                self._leases[node] = (lease, now)
-            elif now - seen_at > self.config.lease_timeout:
-                self.coordinator.mark_node_dead(node)
-                plan = self.coordinator.latest_plan()
-                workers = [w for w in plan.members.values() if node_of_worker(w) == node]
-                self._report(workers, f"node {node} lost: its lease expired {now - seen_at:.1f}s ago",
-                             time.time() - (now - seen_at - self.config.lease_timeout))
+        """Declare the nodes of this agent's ring window whose lease stopped (see ``LeaseWatch``)."""
+        for node, still in self.leases.check(now):
+            plan = self.coordinator.latest_plan()
+            workers = [w for w in plan.members.values() if node_of_worker(w) == node]
+            self._report(workers, f"node {node} lost: its lease expired {still:.1f}s ago",
+                         time.time() - (still - self.config.lease_timeout))
 
     def _refill(self) -> None:
         """Keep --spares spares waiting, but not while a recovery runs (a starting

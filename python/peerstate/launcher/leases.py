@@ -1,0 +1,80 @@
+"""Failure detection of nodes without all-to-all polling: each agent watches
+the leases of the next few nodes on a ring, so a check costs an agent O(k)
+store requests whatever the number of nodes.
+
+An agent watches its ``k`` nearest successors that are neither dead nor done,
+reading only the nodes in that window; a dead or finished one is passed over,
+so when a neighbour dies its watchers reach on to the neighbour's neighbours.
+A node is therefore watched by its ``k`` nearest live predecessors: up to
+``k - 1`` of them may fail with it and it is still declared. A node's death
+is declared once: whoever wins the compare-and-set of its dead flag reports
+it, and the others see the flag.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+from peerstate.control import keys
+from peerstate.control.coordinator import Coordinator
+from peerstate.control.kvstore import KeyValueStore
+
+WATCHED = 2  # successors watched on the ring: two adjacent nodes may fail together
+
+
+def ring_window(node: int, nnodes: int, gone: Callable[[int], bool], k: int = WATCHED) -> Tuple[List[int], List[int]]:
+    """(the k nearest successors of ``node`` for which ``gone`` is False, the ones passed
+    over on the way). Each successor is looked at once, in ring order."""
+    watched: List[int] = []
+    passed: List[int] = []
+    for step in range(1, nnodes):
+        other = (node + step) % nnodes
+        if len(watched) == k:
+            break
+        (passed if gone(other) else watched).append(other)
+    return watched, passed
+
+
+class LeaseWatch:
+    """This agent's watch of its ring window (``check`` once per watch interval)."""
+
+    def __init__(self, kv: KeyValueStore, coordinator: Coordinator, node: int, nnodes: int, timeout: float,
+                 me: str) -> None:
+        self._kv = kv
+        self._coordinator = coordinator
+        self.node = node
+        self.nnodes = nnodes
+        self.timeout = timeout
+        self._me = me
+        self._seen: Dict[int, Tuple[Optional[bytes], float]] = {}  # node -> (lease, when it last moved)
+        self._gone: Dict[int, bool] = {}  # nodes seen dead or done: never watched again
+
+    def check(self, now: float) -> List[Tuple[int, float]]:
+        """The nodes this agent declared lost in this check, each with how long its
+        lease had stood still. Reads lease, dead and done of the window only."""
+        declared: List[Tuple[int, float]] = []
+        values: Dict[int, List[Optional[bytes]]] = {}
+
+        def gone(other: int) -> bool:
+            if self._gone.get(other):
+                return True
+            values[other] = self._kv.get_many([keys.node_lease(other), keys.node_dead(other), keys.node_done(other)])
+            lease, dead, done = values[other]
+            if dead or done:
+                self._gone[other] = True
+            return bool(dead or done)
+
+        watched, _ = ring_window(self.node, self.nnodes, gone)
+        for other in watched:
+            lease = values[other][0]
+            if lease is None:
+                continue  # not started yet
+            seen, seen_at = self._seen.get(other, (None, now))
+            if lease != seen:
+                self._seen[other] = (lease, now)
+            elif now - seen_at > self.timeout:
+                self._gone[other] = True
+                if self._coordinator.declare_node_dead(other, self._me):
+                    declared.append((other, now - seen_at))
+        return declared
+
