@@ -6,7 +6,6 @@ sockets on 127.0.0.1, a real server (in this process, or in a child process
 with a descriptor limit of its own)."""
 
 import os
-import resource
 import socket
 import struct
 import subprocess
@@ -21,15 +20,8 @@ import torch
 import peerstate
 from peerstate import _C
 
-from test_tcp_transport import (ACK, CHUNK, ERROR, GET_CHUNK, GET_META, HEADER, PUT_BEGIN, PUT_CHUNK, PUT_COMMIT,
-                                SECRET, Rig, authenticate, closed_by_server, frame, recv_exact)
-
-
-@pytest.fixture
-def rig():
-    r = Rig()
-    yield r
-    r.close()
+from helpers.wire_client import (ACK, CHUNK, ERROR, GET_CHUNK, HEADER, PUT_BEGIN, PUT_CHUNK, PUT_COMMIT, SECRET,
+                                 authenticate, closed_by_server, frame, recv_exact)
 
 
 def threads_of_this_process():
@@ -288,6 +280,7 @@ def test_stalled_pushes_are_refused_not_allocated(rig):
             # Half a chunk, then silence: the writer holds the version's region.
             sock.sendall(frame(PUT_CHUNK, version=100 + i, chunk=0, length=nbytes) + b"\0" * (nbytes // 2))
             stalled.append(sock)
+            time.sleep(0.05)  # the server has taken the chunk's header: its write holds the region
             assert rig.replicas.held_bytes() <= 2 * reservation
         assert refused >= 20 and rig.replicas.held_bytes() <= 2 * reservation
     finally:
@@ -338,11 +331,13 @@ def test_a_chunk_sent_again_after_it_landed_cannot_touch_the_committed_replica(r
     meta = rig.valid_meta_bytes(version=2)
     chunks = rig.meta["chunks"]
     with rig.connect() as a, rig.connect() as b:
-        first, second = authenticate(a), authenticate(b)
+        first = authenticate(a)
+        authenticate(b)  # the second connection sends raw bytes: it never gets to its tag
         first.send(frame(PUT_BEGIN, version=2, length=len(meta)), meta)
         assert first.recv()[0][1] == ACK
         for c, (offset, nbytes, _) in enumerate(chunks):
             first.send(frame(PUT_CHUNK, version=2, chunk=c, length=nbytes, crc=0), raw[offset:offset + nbytes])
+        time.sleep(0.3)  # every chunk of the first connection has landed (nothing acknowledges a chunk)
         # The same chunk again, from another connection, half of it before the commit.
         offset, nbytes, _ = chunks[0]
         b.sendall(frame(PUT_CHUNK, version=2, chunk=0, length=nbytes) + b"\xee" * (nbytes // 2))
@@ -386,3 +381,48 @@ def test_a_slow_reader_of_the_own_snapshot_receives_one_version_whole():
     finally:
         server.stop()
         store.close()
+
+
+SERVER_WITH_FEW_THREADS = textwrap.dedent("""
+    import os, resource, sys, time
+    from peerstate import _C
+    replicas = _C.ReplicaStore()
+    server = _C.TcpServer(replicas, None, secret=bytes.fromhex(sys.argv[1]), rank=1, io_timeout_ms=3000)
+    os.setgid(65534)  # nobody: root is not held to RLIMIT_NPROC, a user is
+    os.setuid(65534)
+    threads = len(os.listdir("/proc/self/task"))
+    resource.setrlimit(resource.RLIMIT_NPROC, (threads + 2, threads + 2))
+    print(server.port, flush=True)
+    sys.stdin.read()
+    print(server.stats(), flush=True)
+    server.stop()
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the test drops the server's process to user nobody, which needs root")
+def test_a_thread_that_cannot_be_created_refuses_the_connection_not_the_process(tmp_path):
+    log = open(tmp_path / "server.log", "w+")
+    server = subprocess.Popen([sys.executable, "-c", SERVER_WITH_FEW_THREADS, SECRET.hex()], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=log, text=True)
+    socks = []
+    try:
+        port = int(server.stdout.readline())
+        for _ in range(10):  # two get a thread; the others find none
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        time.sleep(0.5)
+        assert server.poll() is None, "the server's process died"
+        for s in socks:
+            s.close()
+        server.stdin.close()
+        stats = server.stdout.readline()
+        assert server.wait(timeout=10) == 0
+        log.seek(0)
+        assert "no thread to serve it" in log.read()
+        assert "'refused': 0" not in stats, stats
+    finally:
+        for s in socks:
+            s.close()
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        log.close()
