@@ -10,7 +10,11 @@ measured in the same run, is plain TCP over loopback with the same number of
 connections: ``socket.sendall`` / ``recv_into`` of the same bytes, no
 handshake, no checksums, no bookkeeping. Everything runs in one process on
 the same cores, as both ends of a real transfer would share a node's CPUs
-here. Prints a table; writes ``bench/results/replication.json``.
+here. Every case runs with each frame protection (``--protections``): the
+default ``authenticated`` (an AES-256-GCM tag on every frame), ``encrypted``
+and ``trusted-fabric`` (no per-frame protection), so the cost of each is
+measured in the same run. Prints a table; writes
+``bench/results/replication.json``.
 
     python bench/replication.py            # 256 MiB and 1 GiB of state
     python bench/replication.py --quick    # 256 MiB only
@@ -74,7 +78,7 @@ def plain_tcp_GBps(payload: memoryview, connections: int, repeats: int) -> float
 
 
 class Rank:
-    def __init__(self, rank, placement, secret, nbytes, connections, fill):
+    def __init__(self, rank, placement, secret, nbytes, connections, fill, protection):
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         if fill:
             self.tensor.random_(0, 256, generator=torch.Generator().manual_seed(rank))
@@ -83,14 +87,14 @@ class Rank:
         self.store = peerstate.SnapshotStore()
         self.store.register("state", self.tensor)
         self.repl = peerstate.Replication(self.store, rank, placement, secret=secret,
-                                          connections_per_peer=connections, io_timeout=120)
+                                          connections_per_peer=connections, io_timeout=120, protection=protection)
 
     def close(self):
         self.repl.close()
         self.store.close()
 
 
-def run(size_mib: int, repeats: int) -> list:
+def run(size_mib: int, repeats: int, protection: str) -> list:
     nbytes = size_mib * MiB
     secret = secrets.token_bytes(32)
     with warnings.catch_warnings():
@@ -99,7 +103,8 @@ def run(size_mib: int, repeats: int) -> list:
     rows = []
     for connections in (1, 2, 4):
         # Only rank 0's state is moved; the holders' own state is a token 4 KiB.
-        ranks = [Rank(r, placement, secret, nbytes if r == 0 else 4096, connections, fill=(r == 0)) for r in range(3)]
+        ranks = [Rank(r, placement, secret, nbytes if r == 0 else 4096, connections, fill=(r == 0),
+                      protection=protection) for r in range(3)]
         try:
             addresses = {r: ranks[r].repl.address for r in range(3)}
             for r in ranks:
@@ -116,8 +121,8 @@ def run(size_mib: int, repeats: int) -> list:
                 if version > 1:  # the first round also opens the connections
                     push = min(push, time.perf_counter() - start)
             limit = plain_tcp_GBps(memoryview(ranks[0].tensor.numpy()), connections, repeats)
-            rows.append(dict(case=f"push {size_mib}MiB x{connections} conn", ours_GBps=nbytes / push / 1e9,
-                             limit_GBps=limit, ratio=nbytes / push / 1e9 / limit))
+            rows.append(dict(case=f"push {size_mib}MiB x{connections} conn", protection=protection,
+                             ours_GBps=nbytes / push / 1e9, limit_GBps=limit, ratio=nbytes / push / 1e9 / limit))
             if connections == 4:
                 ranks[0].store.snapshot(repeats + 2).wait()
                 ranks[0].repl.replicate(repeats + 2)
@@ -126,7 +131,8 @@ def run(size_mib: int, repeats: int) -> list:
                     best_pull = best_recover = float("inf")
                     for _ in range(repeats):
                         for what in ("pull", "recover"):
-                            fresh = Rank(0, placement, secret, nbytes, connections, fill=False)
+                            fresh = Rank(0, placement, secret, nbytes, connections, fill=False,
+                                         protection=protection)
                             fresh.store.allocate()  # a hot spare's memory is ready before the failure
                             fresh.repl.connect(addresses)
                             start = time.perf_counter()
@@ -142,7 +148,7 @@ def run(size_mib: int, repeats: int) -> list:
                             gc.collect()
                     for what, seconds in (("pull", best_pull), ("recover", best_recover)):
                         rows.append(dict(case=f"{what} {size_mib}MiB from {len(sources)} x{connections} conn",
-                                         ours_GBps=nbytes / seconds / 1e9, limit_GBps=limit,
+                                         protection=protection, ours_GBps=nbytes / seconds / 1e9, limit_GBps=limit,
                                          ratio=nbytes / seconds / 1e9 / limit))
         finally:
             for r in ranks:
@@ -157,13 +163,21 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="256 MiB only")
     parser.add_argument("--sizes", type=int, nargs="*", help="state sizes in MiB")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--protections", nargs="+", default=["authenticated", "encrypted", "trusted-fabric"],
+                        help="frame protections to measure, each in this run")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replication.json"))
     args = parser.parse_args(argv)
     sizes = args.sizes or ([256] if args.quick else [256, 1024])
-    rows = [row for size in sizes for row in run(size, args.repeats)]
-    print(f"{'case':<34}{'ours GB/s':>11}{'plain TCP GB/s':>16}{'ratio':>8}")
+    rows = [row for size in sizes for protection in args.protections for row in run(size, args.repeats, protection)]
+    # Each protection beside trusted-fabric (no per-frame protection), same case, same run.
+    bare = {r["case"]: r["ours_GBps"] for r in rows if r["protection"] == "trusted-fabric"}
     for r in rows:
-        print(f"{r['case']:<34}{r['ours_GBps']:>11.2f}{r['limit_GBps']:>16.2f}{r['ratio']:>8.2f}")
+        r["vs_trusted_fabric"] = r["ours_GBps"] / bare[r["case"]] if r["case"] in bare else None
+    print(f"{'case':<34}{'protection':>16}{'ours GB/s':>11}{'plain TCP GB/s':>16}{'ratio':>8}{'vs bare':>9}")
+    for r in rows:
+        versus = f"{r['vs_trusted_fabric']:>9.2f}" if r["vs_trusted_fabric"] is not None else f"{'-':>9}"
+        print(f"{r['case']:<34}{r['protection']:>16}{r['ours_GBps']:>11.2f}{r['limit_GBps']:>16.2f}"
+              f"{r['ratio']:>8.2f}{versus}")
     result = dict(benchmark="replication",
                   command="python " + " ".join(["bench/replication.py", *(argv if argv is not None else sys.argv[1:])]),
                   machine=dict(cores=_C.available_cores(), cpu=platform.processor() or platform.machine()),
