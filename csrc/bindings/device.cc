@@ -47,6 +47,7 @@ void bind_device(py::module_& m) {
           std::string raw = unique_id;
           if (raw.size() != sizeof(NcclUniqueId::internal))
             raise_if_error(Status(StatusCode::kInvalidArgument, "an NCCL unique id has 128 bytes"));
+          raise_if_error(nccl_transport_built());  // before looking for NCCL: the build's answer comes first
           NcclLibrary lib = load_nccl();
           NcclUniqueId id;
           std::memcpy(id.internal, raw.data(), raw.size());

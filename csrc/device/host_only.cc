@@ -12,12 +12,16 @@ Status DeviceCopyEngine::create(std::unique_ptr<DeviceCopyEngine>* out) {
                 "GPU memory");
 }
 
-Status create_nccl_transport(const NcclLibrary&, const NcclUniqueId&, int, int, int, long,
-                             std::unique_ptr<Transport>* out) {
-  out->reset();
+Status nccl_transport_built() {
   return Status(StatusCode::kUnavailable,
                 "this peerstate build has no CUDA support, so no nccl transport; use the tcp transport "
                 "or reinstall on a machine with the CUDA toolkit");
+}
+
+Status create_nccl_transport(const NcclLibrary&, const NcclUniqueId&, int, int, int, long,
+                             std::unique_ptr<Transport>* out) {
+  out->reset();
+  return nccl_transport_built();
 }
 
 bool cuda_compiled() { return false; }

@@ -19,6 +19,8 @@
 
 namespace peerstate {
 
+// kUnavailable, saying why, where this build has no nccl transport (host-only builds).
+Status nccl_transport_built();
 Status nccl_unique_id(const NcclLibrary& nccl, NcclUniqueId* out);
 Status create_nccl_transport(const NcclLibrary& nccl, const NcclUniqueId& id, int nranks, int rank, int device,
                              long timeout_ms, std::unique_ptr<Transport>* out);
