@@ -74,7 +74,14 @@ class TorchKeyValueStore(KeyValueStore):
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> List[Optional[bytes]]:
-        # check() then multi_get(): TCPStore.get() would block on a missing key.
+        # check() then multi_get(): TCPStore.get() would block on a missing key. When
+        # every key exists (after a wait() on them, say) that is two requests in all;
+        # otherwise one check per key finds the missing ones.
+        keys = list(keys)
+        if not keys:
+            return []
+        if self.torch_store.check(keys):
+            return list(self.torch_store.multi_get(keys))
         present = [k for k in keys if self.torch_store.check([k])]
         values = dict(zip(present, self.torch_store.multi_get(present))) if present else {}
         return [values.get(k) for k in keys]
