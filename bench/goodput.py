@@ -2,7 +2,7 @@
 checkpoint-restart at the Young/Daly interval, a ~2 min in-memory restart
 (HyperPod's published figure) and peerstate with its measured overhead and
 recovery time (bench/results/overhead.json and recovery.json), with a
-Monte-Carlo check of the closed forms. Formulas and sources: python/peerstate/goodput.py.
+Monte-Carlo check of the closed forms. Formulas and sources: python/peerstate/tools/goodput.py.
 
 Run: python bench/goodput.py  (writes bench/results/goodput.json and goodput.png)
 """
