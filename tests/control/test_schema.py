@@ -58,6 +58,15 @@ def test_outside_peerstate_run_the_error_says_how_to_start():
         WorkerEnvironment.from_env({})
 
 
+def test_a_malformed_variable_is_named():
+    variables = WorkerEnvironment(store="h:1", worker="n0.0", spare=False, world_size=2, nproc_per_node=2, node=0,
+                                  rank=0, secret=b"k" * 16).to_env()
+    with pytest.raises(InvalidArgumentError, match="malformed: .*'nine'"):
+        WorkerEnvironment.from_env({**variables, "PEERSTATE_STORE": "h:nine"})
+    with pytest.raises(InvalidArgumentError, match="^PEERSTATE_SECRET must be hexadecimal"):
+        WorkerEnvironment.from_env({**variables, "PEERSTATE_SECRET": "zz"})
+
+
 def test_a_missing_variable_is_named():
     variables = WorkerEnvironment(store="h:1", worker="n0.0", spare=False, world_size=2, nproc_per_node=2, node=0,
                                   rank=0, secret=b"k" * 16).to_env()

@@ -141,7 +141,9 @@ class WorkerEnvironment:
                 checkpoint_dir=env.get("PEERSTATE_CHECKPOINT_DIR"),
                 checkpoint_every=int(env.get("PEERSTATE_CHECKPOINT_EVERY", "0")),
                 protection=env.get("PEERSTATE_FRAME_PROTECTION", "authenticated"))
-            result.store_port
+            int(result.store.rpartition(":")[2])  # HOST:PORT
+        except InvalidArgumentError:
+            raise
         except KeyError as missing:
             raise InvalidArgumentError(f"{missing.args[0]} is not set: this process was not started by "
                                        "`peerstate run`, or its environment was changed") from None
