@@ -58,9 +58,13 @@ def test_outside_peerstate_run_the_error_says_how_to_start():
         WorkerEnvironment.from_env({})
 
 
+def worker_variables():
+    return WorkerEnvironment(store="h:1", worker="n0.0", spare=False, world_size=2, nproc_per_node=2, node=0,
+                             rank=0, secret=b"k" * 16).to_env()
+
+
 def test_a_malformed_variable_is_named():
-    variables = WorkerEnvironment(store="h:1", worker="n0.0", spare=False, world_size=2, nproc_per_node=2, node=0,
-                                  rank=0, secret=b"k" * 16).to_env()
+    variables = worker_variables()
     with pytest.raises(InvalidArgumentError, match="malformed: .*'nine'"):
         WorkerEnvironment.from_env({**variables, "PEERSTATE_STORE": "h:nine"})
     with pytest.raises(InvalidArgumentError, match="^PEERSTATE_SECRET must be hexadecimal"):
@@ -68,8 +72,7 @@ def test_a_malformed_variable_is_named():
 
 
 def test_a_missing_variable_is_named():
-    variables = WorkerEnvironment(store="h:1", worker="n0.0", spare=False, world_size=2, nproc_per_node=2, node=0,
-                                  rank=0, secret=b"k" * 16).to_env()
+    variables = worker_variables()
     del variables["WORLD_SIZE"]
     with pytest.raises(InvalidArgumentError, match="WORLD_SIZE is not set"):
         WorkerEnvironment.from_env(variables)

@@ -146,7 +146,6 @@ class Job:
         self.progress = ProgressCounter(env.progress) if env.progress else None
         if self.progress:
             self.progress.start_ticking()
-        self._secret = env.secret
         # gloo: a collective or a rendezvous that no abort wakes fails on its own well
         # before the deadline (the members reach form() together: a join is a barrier).
         self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,
@@ -156,8 +155,8 @@ class Job:
         checkpoints = DiskCheckpoints(self.tracked, checkpoint_dir or env.checkpoint_dir,
                                       checkpoint_every or env.checkpoint_every)
         self.report = RecoveryReport(self.kv, self.coordinator, self.events, env.events, env.world_size)
-        self.boundary = StepBoundary(self.tracked, self.kv, self.placement, checkpoints, self.report, self.progress,
-                                     snapshot_every, join_timeout)
+        self.boundary = StepBoundary(self.membership, self.tracked, self.kv, self.placement, checkpoints, self.report,
+                                     self.progress, snapshot_every, join_timeout)
         self.restorer = Restorer(self.membership, self.tracked, checkpoints, self.report)
         self.wrappers = DistributedWrappers(self.kv)
         self.joiner = EpochJoiner(self.membership, self.kv, self.coordinator, self.groups, self.tracked,
@@ -308,10 +307,10 @@ class Job:
     # -- membership ------------------------------------------------------------------
     def _become_member(self, plan: RecoveryPlan, rank: int) -> None:
         """Take ``rank`` in ``plan``'s epoch (or a newer one) and join it."""
-        self.membership.rank = self.boundary.rank = rank
+        self.membership.rank = rank
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % self._env.nproc_per_node),
                           GROUP_RANK=str(self._env.node))
-        self.replication = Replication(self.tracked.own, rank, self.placement, secret=self._secret,
+        self.replication = Replication(self.tracked.own, rank, self.placement, secret=self._env.secret,
                                        host=self._env.host, replica_budget_bytes=self._replica_budget_bytes,
                                        protection=self._env.protection)
         self.joiner.replication = self.restorer.replication = self.boundary.replication = self.replication

@@ -48,9 +48,10 @@ class StepBoundary:
     measurements only). The first boundary registers the tracked state (the
     optimizer's state exists only after its first step)."""
 
-    def __init__(self, tracked: TrackedState, kv: KeyValueStore, placement: BuddyPlacement,
+    def __init__(self, membership: Membership, tracked: TrackedState, kv: KeyValueStore, placement: BuddyPlacement,
                  checkpoints: DiskCheckpoints, report: RecoveryReport, progress: Optional[ProgressCounter],
                  snapshot_every: int, join_timeout: float) -> None:
+        self._membership = membership
         self.tracked = tracked
         self._kv = kv
         self._placement = placement
@@ -61,9 +62,12 @@ class StepBoundary:
         self._join_timeout = join_timeout
         self.capture = True
         self.replication: Optional[Replication] = None  # set once this process has a rank
-        self.rank: Optional[int] = None
         self._pending_version: Optional[int] = None  # snapshotted, not yet replicated
         self._failing_holders: Dict[int, Optional[str]] = {}  # holder -> why its last push failed
+
+    @property
+    def rank(self) -> Optional[int]:
+        return self._membership.rank
 
     def end_step(self, step: int, seconds: float, epoch: int) -> None:
         report = self._report
