@@ -29,7 +29,7 @@ def kv():
 def coordinator(kv, spares=("n0.2", "n1.2")):
     c = Coordinator(kv)
     kv.set("config", b'{"nnodes": 2, "nproc_per_node": 2, "world_size": 4}')
-    c.start(MEMBERS)
+    c.start("agent0")
     for spare in spares:
         c.register_spare(spare)
     return c

@@ -60,7 +60,7 @@ def test_append_and_wait(kv):
 def test_one_plan_per_epoch_over_either_store(kv):
     coordinator = Coordinator(kv)
     kv.set("config", b'{"nnodes": 2, "nproc_per_node": 2, "world_size": 4}')
-    coordinator.start(MEMBERS)
+    coordinator.start("agent0")
     for spare in ("n0.2", "n1.2"):
         coordinator.register_spare(spare)
     plans = []

@@ -16,8 +16,7 @@ def report(rank, local=(), replicas=None, needs_state=False, pid=0, regions=None
 
 def plan(rank, reports, shares=None, checkpoint=None, placement=None):
     placement = placement or BuddyPlacement(NODES, k=1)
-    return plan_restore(rank, reports[rank].worker, reports[rank].needs_state, reports, placement, shares, FAILED,
-                        checkpoint)
+    return plan_restore(rank, reports, placement, shares, FAILED, checkpoint)
 
 
 def test_a_survivor_rolls_back_from_its_own_snapshot():

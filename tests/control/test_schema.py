@@ -36,7 +36,8 @@ def test_no_module_but_keys_spells_a_store_key(module):
 def test_the_environment_round_trips():
     env = WorkerEnvironment(store="127.0.0.1:2900", worker="n1.2", spare=False, world_size=4, nproc_per_node=2,
                             node=1, host="127.0.0.2", progress="/dev/shm/p", events="/tmp/e.jsonl",
-                            secret=bytes(range(32)), rank=3, checkpoint_dir="/ckpt", checkpoint_every=5)
+                            secret=bytes(range(32)), rank=3, checkpoint_dir="/ckpt", checkpoint_every=5,
+                            node_store="127.0.0.1:2901")
     variables = env.to_env()
     assert variables["RANK"] == "3" and variables["LOCAL_RANK"] == "1" and variables["MASTER_PORT"] == "2900"
     assert WorkerEnvironment.from_env(variables) == env
@@ -44,7 +45,7 @@ def test_the_environment_round_trips():
 
 def test_a_spare_gets_no_rank_and_reads_back_as_a_spare():
     env = WorkerEnvironment(store="h:1", worker="n0.2", spare=True, world_size=2, nproc_per_node=2, node=0,
-                            secret=b"k" * 16)
+                            secret=b"k" * 16, node_store="127.0.0.1:2")
     variables = env.to_env()
     assert "RANK" not in variables
     assert WorkerEnvironment.from_env(variables) == env
@@ -60,7 +61,7 @@ def test_outside_peerstate_run_the_error_says_how_to_start():
 
 def worker_variables():
     return WorkerEnvironment(store="h:1", worker="n0.0", spare=False, world_size=2, nproc_per_node=2, node=0,
-                             rank=0, secret=b"k" * 16).to_env()
+                             rank=0, secret=b"k" * 16, node_store="127.0.0.1:2").to_env()
 
 
 def test_a_malformed_variable_is_named():

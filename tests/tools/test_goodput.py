@@ -66,3 +66,22 @@ def test_monte_carlo_buddy_losses_match_the_closed_form_probability():
     assert 0.5 * expected < simulated["buddy_losses"] < 2 * expected
     none = monte_carlo(GoodputInputs(correlated=0.0, window_s=0.0), 100_000, days=60, seed=1)
     assert none["failures"] == simulated["failures"] and none["buddy_losses"] == 0
+
+
+def test_recovery_time_at_a_size_adds_the_measured_growth_of_the_control_plane(tmp_path):
+    import json
+
+    from peerstate.tools.goodput import GoodputInputs, closed_form, inputs_from_results
+
+    curve = ((256, 0.05), (1024, 0.15), (16384, 1.65))
+    inputs = GoodputInputs(peerstate_recovery_s=0.3, control_plane=curve)
+    assert inputs.recovery_s(256) == pytest.approx(0.3)
+    assert inputs.recovery_s(1024) == pytest.approx(0.4)
+    assert inputs.recovery_s(8704) == pytest.approx(0.3 + (0.9 - 0.05))  # halfway between 1,024 and 16,384
+    slope = 1.5 / (16384 - 1024)  # past the end: the last segment's
+    assert inputs.recovery_s(32768) == pytest.approx(0.3 + (1.65 + slope * 16384 - 0.05))
+    flat = GoodputInputs(peerstate_recovery_s=0.3)
+    assert flat.recovery_s(32768) == 0.3
+    assert closed_form(inputs, 32768)["peerstate"] < closed_form(flat, 32768)["peerstate"]
+    (tmp_path / "scale.json").write_text(json.dumps({"rows": [{"ranks": r, "ours_s": s} for r, s in curve]}))
+    assert inputs_from_results(tmp_path).control_plane == curve

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
@@ -46,28 +46,66 @@ class Coordinator:
 
     def __init__(self, kv: KeyValueStore) -> None:
         self.kv = kv
-        self._known_epoch = 0
+        self._latest: Optional[RecoveryPlan] = None  # the newest plan read, members folded in
+        self._shape: Optional[Dict[str, int]] = None
 
     # -- epochs ----------------------------------------------------------------------
-    def plan(self, epoch: int) -> Optional[RecoveryPlan]:
-        raw = self.kv.get(keys.epoch_plan(epoch))
+    def plan(self, epoch: int, present: bool = False) -> Optional[RecoveryPlan]:
+        """Epoch ``epoch``'s plan as written (without ``members``; see ``latest_plan``).
+        ``present``: it is known to exist (one request instead of two)."""
+        key = keys.epoch_plan(epoch)
+        raw = self.kv.get_existing([key])[0] if present else self.kv.get(key)
         return RecoveryPlan.decode(raw) if raw else None
 
     def latest_plan(self) -> RecoveryPlan:
-        """The newest plan (epoch 0 must exist)."""
-        plan = self.plan(self._known_epoch)
-        if plan is None:
-            raise JobFailedError("the job has no epoch-0 plan: the agents have not started it")
-        while True:
-            newer = self.plan(plan.epoch + 1)
-            if newer is None:
-                self._known_epoch = plan.epoch
-                return plan
-            plan = newer
+        """The newest plan, with ``members`` folded from epoch 0's layout and every
+        plan's changes. Reads only the plans this coordinator has not seen yet (one
+        request when there is none)."""
+        self.new_plans()
+        return self._latest
 
-    def start(self, members: Dict[int, str]) -> RecoveryPlan:
-        """Write the epoch-0 plan (idempotent: every agent may call it)."""
-        plan = RecoveryPlan(0, dict(members), reason="start", planned_at=time.time())
+    def new_plans(self, known: int = -1) -> List[RecoveryPlan]:
+        """The plans written since the last call (oldest first; the newest with
+        ``members`` folded in); the first call includes epoch 0's. ``known``: the plans up to that epoch are
+        known to exist (a wait on them returned), which saves a request each."""
+        seen: List[RecoveryPlan] = []
+        if self._latest is None:
+            plan = self.plan(0, present=known >= 0)
+            if plan is None:
+                raise JobFailedError("the job has no epoch-0 plan: the agents have not started it")
+            plan.members = self.initial_members()
+            self._latest = plan
+            seen.append(plan)
+        while True:
+            newer = self.plan(self._latest.epoch + 1, present=self._latest.epoch + 1 <= known)
+            if newer is None:
+                return seen
+            # One membership, updated in place (copying N entries per plan would cost every agent O(N)):
+            # only the newest plan holds it, older ones are handed out without.
+            newer.members, self._latest.members = self._latest.members, {}
+            newer.members.update(newer.replaced)
+            self._latest = newer
+            seen.append(newer)
+
+    def shape(self) -> Dict[str, int]:
+        """The job's shape (``keys.CONFIG``: nnodes, nproc_per_node, world_size), read once."""
+        if self._shape is None:
+            raw = self.kv.get(keys.CONFIG)
+            if not raw:
+                raise JobFailedError("the job's store holds no config: the agents have not started it")
+            self._shape = json.loads(raw)
+        return self._shape
+
+    def initial_members(self) -> Dict[int, str]:
+        """Epoch 0's members, from the job's shape: rank r is worker n{r // nproc}.{r % nproc}."""
+        nproc = self.shape()["nproc_per_node"]
+        return {r: f"n{r // nproc}.{r % nproc}" for r in range(self.shape()["world_size"])}
+
+    def start(self, me: str) -> RecoveryPlan:
+        """Write the epoch-0 plan (idempotent: every agent calls it; the first one
+        owns epoch 0 and writes its instructions)."""
+        owner = self.kv.compare_set(keys.epoch_owner(0), b"", me.encode()).decode()
+        plan = RecoveryPlan(0, reason="start", planned_at=time.time(), writer=owner)
         self.kv.compare_set(keys.epoch_plan(0), b"", plan.encode())
         return self.plan(0)
 
@@ -96,12 +134,17 @@ class Coordinator:
     # -- nodes -----------------------------------------------------------------------
     def declare_node_dead(self, node: int, me: str) -> bool:
         """Mark ``node`` lost; True for the one caller that did it (the others see it done)."""
-        return self.kv.compare_set(keys.node_dead(node), b"", me.encode()) == me.encode()
+        if self.kv.compare_set(keys.node_dead(node), b"", me.encode()) != me.encode():
+            return False
+        self.kv.append(keys.DEAD_NODES, f"{node},".encode())
+        return True
+
+    def node_dead(self, node: Optional[int]) -> bool:
+        return node is not None and bool(self.kv.get(keys.node_dead(node)))
 
     def dead_nodes(self) -> Set[int]:
-        nodes = int(json.loads(self.kv.get(keys.CONFIG) or b"{}").get("nnodes", 0))
-        flags = self.kv.get_many([keys.node_dead(n) for n in range(nodes)])
-        return {n for n, flag in zip(range(nodes), flags) if flag}
+        """Every node declared lost (one read, whatever the number of nodes)."""
+        return {int(n) for n in (self.kv.get(keys.DEAD_NODES) or b"").decode().split(",") if n}
 
     # -- failures --------------------------------------------------------------------
     def report_failure(self, workers: Iterable[str], reason: str, *, detected_at: float,
@@ -123,36 +166,43 @@ class Coordinator:
                 return None  # already replaced by an earlier plan
             epoch = current.epoch + 1
             owner = self.kv.compare_set(keys.epoch_owner(epoch), b"", me.encode())
-            if owner != me.encode() and not self._wait_or_take_over(epoch, me, spare_timeout + writer_grace):
+            if owner != me.encode() and not self.wait_or_take_over(epoch, keys.epoch_plan(epoch), me,
+                                                                   spare_timeout + writer_grace, "recovery plan"):
                 continue  # re-read: the winner's plan may or may not cover our failure
             replaced = self._assign_spares(epoch, failed, current, spare_timeout)
-            members = dict(current.members)
-            members.update(replaced)
-            plan = RecoveryPlan(epoch, members, replaced, failed, reason, detected_at, time.time())
+            plan = RecoveryPlan(epoch, {}, replaced, failed, reason, detected_at, time.time(), me)
             self.kv.set(keys.epoch_plan(epoch), plan.encode())
             for rank, worker in replaced.items():
                 self.kv.set(keys.assignment(worker), _assignment(epoch, rank))
+            plan.members, current.members = current.members, {}  # fold it in, as new_plans does
+            plan.members.update(replaced)
+            self._latest = plan
             return plan
 
-    def _wait_or_take_over(self, epoch: int, me: str, timeout: float) -> bool:
-        """Wait for another writer's plan of ``epoch``: False once it is written, True
-        once this caller took the epoch over from a writer whose node was declared dead."""
-        key, plan_key = keys.epoch_owner(epoch), keys.epoch_plan(epoch)
+    def wait_or_take_over(self, epoch: int, done_key: str, me: str, timeout: float, what: str,
+                          newer: Optional[Callable[[], bool]] = None, poll: float = 0.25) -> bool:
+        """Wait for epoch ``epoch``'s owner to write ``done_key``: False once it is
+        written (or once ``newer()`` says a newer epoch made it moot), True once this
+        caller took the epoch over from an owner whose node was declared dead.
+        JobFailedError when the owner neither writes nor is declared dead in ``timeout``."""
+        key = keys.epoch_owner(epoch)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.kv.wait([plan_key], timeout=0.25)
+                self.kv.wait([done_key], timeout=0.25)
                 return False
             except TimeoutError:
                 pass
+            if newer is not None and newer():
+                return False
             owner = self.kv.get(key) or b""
-            if node_of_agent(owner.decode()) in self.dead_nodes():
+            if self.node_dead(node_of_agent(owner.decode())):
                 if self.kv.compare_set(key, owner, me.encode()) == me.encode():
                     return True
-                continue  # another survivor took it over first: wait for its plan
+                continue  # another survivor took it over first: wait for it
             if time.monotonic() > deadline:
                 raise JobFailedError(
-                    f"{owner.decode()} began epoch {epoch}'s recovery plan but neither wrote it nor was declared "
+                    f"{owner.decode()} began epoch {epoch}'s {what} but neither wrote it nor was declared "
                     f"lost within {timeout:.0f}s; the job cannot recover. Check that agent's node and its log.")
 
     def assignments(self, spares: Sequence[str]) -> Dict[str, int]:

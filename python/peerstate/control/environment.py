@@ -90,6 +90,7 @@ class WorkerEnvironment:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     protection: str = "authenticated"  # of the replication frames (Replication's protection)
+    node_store: str = ""               # HOST:PORT of its agent's node channel (loopback)
 
     @property
     def store_host(self) -> str:
@@ -106,6 +107,7 @@ class WorkerEnvironment:
             MASTER_ADDR=self.store_host, MASTER_PORT=str(self.store_port), GROUP_RANK=str(self.node),
             PEERSTATE_STORE=self.store, PEERSTATE_WORKER=self.worker, PEERSTATE_HOST=self.host,
             PEERSTATE_ROLE="spare" if self.spare else "worker", PEERSTATE_FRAME_PROTECTION=self.protection,
+            PEERSTATE_NODE_STORE=self.node_store,
         )
         if self.progress:
             env["PEERSTATE_PROGRESS"] = self.progress
@@ -140,8 +142,10 @@ class WorkerEnvironment:
                 rank=None if spare else int(env["RANK"]),
                 checkpoint_dir=env.get("PEERSTATE_CHECKPOINT_DIR"),
                 checkpoint_every=int(env.get("PEERSTATE_CHECKPOINT_EVERY", "0")),
-                protection=env.get("PEERSTATE_FRAME_PROTECTION", "authenticated"))
+                protection=env.get("PEERSTATE_FRAME_PROTECTION", "authenticated"),
+                node_store=env["PEERSTATE_NODE_STORE"])
             int(result.store.rpartition(":")[2])  # HOST:PORT
+            int(result.node_store.rpartition(":")[2])
         except InvalidArgumentError:
             raise
         except KeyError as missing:

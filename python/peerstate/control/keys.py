@@ -11,10 +11,11 @@ Job (written once, read by everyone)
     ``job/finished``                counter of the ranks that finished the loop
     ``job/failed``                  why the job stops; the first reason wins
 
-Nodes (each agent writes its own, every agent reads the others')
+Nodes (each agent writes its own; its ring predecessors read them, see ``control.leases``)
     ``node/{n}/lease``              counter an agent bumps while it lives
-    ``node/{n}/dead``               set once node n is declared lost
+    ``node/{n}/dead``               set once node n is declared lost (compare_set: one declarer)
     ``node/{n}/done``               set once node n's agent saw every rank finish
+    ``nodes/dead``                  "n,n,..." the lost nodes, appended by each one's declarer
 
 Spares
     ``spares``                      "id,id,..." every spare that ever registered (appended)
@@ -22,10 +23,11 @@ Spares
     ``spares/wanted``               counter a plan writer bumps when it waits for a spare
     ``assign/{worker}``             the assignment a waiting spare blocks on
 
-Epochs (one plan writer per epoch; members write their own entries)
+Epochs (one plan writer per epoch; each node's agent writes its node's entry)
     ``epoch/{e}/owner``             the plan writer that won epoch e (compare_set)
-    ``epoch/{e}/plan``              its RecoveryPlan
-    ``epoch/{e}/report/{rank}``     the MemberReport of each member
+    ``epoch/{e}/plan``              its RecoveryPlan (what changed: the replaced ranks)
+    ``epoch/{e}/node/{n}/report``   node n's NodeReport: its members' MemberReports
+    ``epoch/{e}/node/{n}/orders``   node n's NodeInstructions, written by the plan writer
     ``epoch/{e}/ddp/{index}``       the DDP bucket layout survivors settled on (first survivor wins)
     ``epoch/{e}/marks/{rank}``      a member's recovery timeline marks
     ``epoch/{e}/marks_done``        counter of the members that published their marks
@@ -33,6 +35,12 @@ Epochs (one plan writer per epoch; members write their own entries)
 
 Per rank
     ``bytes/{rank}``                bytes of one version of a rank's own state (its holders reserve them)
+
+Node channel (a second store, hosted by each agent on loopback for its own
+workers: they never read the job's store for the recovery protocol)
+    ``epoch/{e}/plan``              the agent's copy of the epoch's plan (workers' watchers wait on it)
+    ``epoch/{e}/report/{rank}``     a member's MemberReport, for its agent to gather
+    ``epoch/{e}/orders/{n}``        the node's NodeInstructions, as the plan writer wrote them
 
 Tools
     ``inject/{index}``              the agent that injected fault ``index`` (injected once)
@@ -47,6 +55,7 @@ JOB_FAILED = "job/failed"
 SPARES = "spares"
 SPARES_WANTED = "spares/wanted"
 NCCL_ID = "peerstate/nccl_id"
+DEAD_NODES = "nodes/dead"
 
 
 def node_lease(node: int) -> str:
@@ -79,6 +88,19 @@ def epoch_plan(epoch: int) -> str:
 
 def member_report(epoch: int, rank: int) -> str:
     return f"epoch/{epoch}/report/{rank}"
+
+
+def node_report(epoch: int, node: int) -> str:
+    return f"epoch/{epoch}/node/{node}/report"
+
+
+def node_instructions(epoch: int, node: int) -> str:
+    return f"epoch/{epoch}/node/{node}/orders"
+
+
+def member_instructions(epoch: int, node: int) -> str:
+    """In the node channel: node ``node``'s instructions, which its members expand."""
+    return f"epoch/{epoch}/orders/{node}"
 
 
 def ddp_layout(epoch: int, index: int) -> str:

@@ -4,7 +4,7 @@
 workers need; ``TorchKeyValueStore`` implements it over
 ``torch.distributed.TCPStore`` (the embedded default: the launcher of node 0
 hosts it, no extra server). Another store (etcd at larger scale) plugs in by
-implementing the same seven methods.
+implementing the same methods.
 
 Values are ``bytes``; callers encode JSON. Every blocking call takes a
 timeout in seconds and raises ``TimeoutError`` when it passes.
@@ -13,7 +13,9 @@ timeout in seconds and raises ``TimeoutError`` when it passes.
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional, Sequence
+import socket
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 
 class KeyValueStore:
@@ -29,6 +31,20 @@ class KeyValueStore:
 
     def get_many(self, keys: Sequence[str]) -> List[Optional[bytes]]:
         return [self.get(k) for k in keys]
+
+    def set_many(self, items: Sequence[Tuple[str, bytes]]) -> None:
+        """Set several keys (one request where the store allows it)."""
+        for key, value in items:
+            self.set(key, value)
+
+    def get_existing(self, keys: Sequence[str]) -> List[bytes]:
+        """The values of keys known to exist (a wait() on them returned): one request
+        where the store allows it. A key that does not exist blocks, up to the
+        store's own timeout, or raises."""
+        values = self.get_many(keys)
+        if any(v is None for v in values):
+            raise KeyError(f"get_existing: {[k for k, v in zip(keys, values) if v is None]} do not exist")
+        return values  # type: ignore[return-value]
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add to an integer counter (created at 0); returns the new value."""
@@ -51,51 +67,108 @@ class KeyValueStore:
         raise NotImplementedError
 
 
+@dataclass
+class RequestCount:
+    """Requests a client sent to its store, and the bytes of keys and values that
+    went each way (what ``bench/scale.py`` reports; clones count into the same one)."""
+
+    requests: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def sent(self, requests: int, *payloads: object) -> None:
+        self.requests += requests
+        self.bytes_sent += sum(len(p) for p in payloads)  # type: ignore[arg-type]
+
+    def received(self, values: Sequence[bytes]) -> None:
+        self.bytes_received += sum(len(v) for v in values)
+
+
 class TorchKeyValueStore(KeyValueStore):
     """Over ``torch.distributed.TCPStore``. ``host_store=True`` makes this process the
-    server (``port`` 0 picks a free one; see ``.port``)."""
+    server, listening on ``host`` only (``port`` 0 picks a free one; see ``.port``):
+    TCPStore alone would listen on every interface."""
 
     def __init__(self, host: str, port: int, *, host_store: bool = False, timeout: float = 60.0,
-                 _store=None) -> None:
+                 _store=None, _count: Optional[RequestCount] = None) -> None:
         import torch.distributed as dist
 
         self.host = host
+        self.count = _count or RequestCount()
+        self._listener: Optional[socket.socket] = None
         if _store is not None:
             self.torch_store = _store
         else:
-            self.torch_store = dist.TCPStore(host, port, None, host_store, timeout=datetime.timedelta(seconds=timeout),
-                                             wait_for_workers=False, use_libuv=True)
+            options = dict(timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False, use_libuv=True)
+            if host_store:
+                self._listener = socket.create_server((host, port), family=_family(host), backlog=4096)
+                port = self._listener.getsockname()[1]
+                options["master_listen_fd"] = self._listener.fileno()
+            self.torch_store = dist.TCPStore(host, port, None, host_store, **options)
         self.port = self.torch_store.port
 
     def set(self, key: str, value: bytes) -> None:
+        self.count.sent(1, key, value)
         self.torch_store.set(key, value)
 
+    def set_many(self, items: Sequence[Tuple[str, bytes]]) -> None:
+        if items:
+            self.count.sent(1, *(k for k, _ in items), *(v for _, v in items))
+            self.torch_store.multi_set([k for k, _ in items], [v for _, v in items])
+
     def get(self, key: str) -> Optional[bytes]:
-        return self.get_many([key])[0]
+        # check() first: TCPStore.get() would block on a missing key.
+        self.count.sent(1, key)
+        if not self.torch_store.check([key]):
+            return None
+        self.count.sent(1, key)
+        value = self.torch_store.get(key)
+        self.count.received([value])
+        return value
 
     def get_many(self, keys: Sequence[str]) -> List[Optional[bytes]]:
-        # check() then multi_get(): TCPStore.get() would block on a missing key. When
-        # every key exists (after a wait() on them, say) that is two requests in all;
-        # otherwise one check per key finds the missing ones.
+        # check() then multi_get(). When every key exists (after a wait() on them, say)
+        # that is two requests in all; otherwise one check per key finds the missing ones.
         keys = list(keys)
         if not keys:
             return []
+        self.count.sent(1, *keys)
         if self.torch_store.check(keys):
-            return list(self.torch_store.multi_get(keys))
+            self.count.sent(1, *keys)
+            values = list(self.torch_store.multi_get(keys))
+            self.count.received(values)
+            return values
+        self.count.sent(len(keys), *keys)
         present = [k for k in keys if self.torch_store.check([k])]
+        if present:
+            self.count.sent(1, *present)
         values = dict(zip(present, self.torch_store.multi_get(present))) if present else {}
+        self.count.received(list(values.values()))
         return [values.get(k) for k in keys]
 
+    def get_existing(self, keys: Sequence[str]) -> List[bytes]:
+        keys = list(keys)
+        self.count.sent(1, *keys)
+        values = list(self.torch_store.multi_get(keys))
+        self.count.received(values)
+        return values
+
     def add(self, key: str, amount: int) -> int:
+        self.count.sent(1, key)
         return self.torch_store.add(key, amount)
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        return self.torch_store.compare_set(key, expected, desired)
+        self.count.sent(1, key, expected, desired)
+        value = self.torch_store.compare_set(key, expected, desired)
+        self.count.received([value])
+        return value
 
     def append(self, key: str, value: bytes) -> None:
+        self.count.sent(1, key, value)
         self.torch_store.append(key, value)
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
+        self.count.sent(1, *keys)
         try:
             self.torch_store.wait(list(keys), datetime.timedelta(seconds=max(timeout, 0.001)))
         except Exception as error:  # DistStoreError on timeout; anything else is a lost store
@@ -104,4 +177,8 @@ class TorchKeyValueStore(KeyValueStore):
             raise
 
     def clone(self) -> "TorchKeyValueStore":
-        return TorchKeyValueStore(self.host, self.port, _store=self.torch_store.clone())
+        return TorchKeyValueStore(self.host, self.port, _store=self.torch_store.clone(), _count=self.count)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -14,23 +14,29 @@ Address = Tuple[str, int]
 
 @dataclass
 class RecoveryPlan:
-    """Who is which rank in one epoch, and why the epoch began."""
+    """What changed in one epoch, and why it began.
+
+    Only the change travels (``replaced``: the ranks given to a new worker), so
+    a plan's size does not grow with the job. ``members`` (rank -> worker) is
+    not encoded: the ``Coordinator`` folds it from epoch 0's layout and every
+    plan's ``replaced``, and fills it in the plans it returns."""
 
     epoch: int
-    members: Dict[int, str]                  # rank -> worker id
+    members: Dict[int, str] = field(default_factory=dict)  # not encoded (see above)
     replaced: Dict[int, str] = field(default_factory=dict)  # ranks that changed worker this epoch
     failed: List[int] = field(default_factory=list)
     reason: str = ""
     detected_at: float = 0.0
     planned_at: float = 0.0
+    writer: str = ""  # the agent that owned the epoch when it wrote the plan (it writes the instructions)
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        data = {k: v for k, v in self.__dict__.items() if k != "members"}  # asdict would copy members first
+        return json.dumps(data).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "RecoveryPlan":
         data = json.loads(raw)
-        data["members"] = {int(r): w for r, w in data["members"].items()}
         data["replaced"] = {int(r): w for r, w in data["replaced"].items()}
         return cls(**data)
 
@@ -47,17 +53,61 @@ class MemberReport:
     needs_state: bool = False        # new in this epoch, or joined earlier and not restored yet
     pid: int = 0
     shared_regions: Dict[int, int] = field(default_factory=dict)  # version -> its address in its share's store
+    checkpoint: Optional[Tuple[int, str]] = None  # its newest disk checkpoint (step, directory)
+    layout: "StateLayout" = None  # type: ignore[assignment] - how the job's state is placed (below)
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        data = dict(self.__dict__)  # flat but for the layout: faster than asdict
+        data["layout"] = asdict(self.layout) if self.layout is not None else None
+        return json.dumps(data).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "MemberReport":
-        data = json.loads(raw)
+        return cls.from_dict(json.loads(raw))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MemberReport":
+        data = dict(data)
         data["replicas"] = {int(s): list(v) for s, v in data["replicas"].items()}
         data["shared_regions"] = {int(v): a for v, a in data.get("shared_regions", {}).items()}
         data["address"] = tuple(data["address"])
+        data["checkpoint"] = tuple(data["checkpoint"]) if data.get("checkpoint") else None
+        data["layout"] = StateLayout(**data["layout"]) if data.get("layout") else None
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """How the job's state is placed, as the training script configured it
+    (``Job(k=..., data_parallel_shares=...)``, ``track(data_parallel=...)``).
+    Every member reports it; the plan writer plans with it and refuses members
+    that disagree."""
+
+    k: int = 1
+    share_count: int = 1
+    data_parallel: bool = False
+
+
+@dataclass
+class NodeReport:
+    """The reports of one node's members in one epoch: what its agent publishes,
+    the one report per node the plan writer gathers."""
+
+    node: int
+    members: List[MemberReport]
+
+    def encode(self) -> bytes:
+        return NodeReport.join(self.node, [m.encode() for m in self.members])
+
+    @staticmethod
+    def join(node: int, encoded: List[bytes]) -> bytes:
+        """A NodeReport from its members' encoded reports as they came (no decoding)."""
+        return b'{"node": %d, "members": [' % node + b", ".join(encoded) + b"]}"
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "NodeReport":
+        data = json.loads(raw)
+        return cls(data["node"], [MemberReport.from_dict(m) for m in data["members"]])
 
 
 class RestoreSource(enum.Enum):
@@ -90,3 +140,60 @@ class RestorePlan:
     shares: Dict[int, SharePull] = field(default_factory=dict)  # share -> its pull
     checkpoint: Optional[str] = None  # CHECKPOINT: the directory to load
     message: str = ""                 # CHECKPOINT, LOST: which state was lost, in words
+
+    def to_dict(self) -> dict:
+        return {"source": self.source.value, "version": self.version, "own_sources": self.own_sources,
+                "shares": {s: {"share": p.share, "sources": p.sources, "same_node": p.same_node}
+                           for s, p in self.shares.items()},
+                "checkpoint": self.checkpoint, "message": self.message}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RestorePlan":
+        data = dict(data)
+        data["source"] = RestoreSource(data["source"])
+        data["shares"] = {int(s): SharePull(p["share"], list(p["sources"]),
+                                            {int(r): tuple(v) for r, v in p["same_node"].items()})
+                          for s, p in data["shares"].items()}
+        return cls(**data)
+
+
+@dataclass
+class MemberInstructions:
+    """What one member is told when it joins an epoch: where the peers it talks to
+    listen (its holders, and the sources it pulls from), and, after a failure,
+    its ``RestorePlan``."""
+
+    rank: int
+    addresses: Dict[int, Address]
+    restore: Optional[RestorePlan] = None  # None in epoch 0 (nothing to restore)
+
+
+@dataclass
+class NodeInstructions:
+    """What the plan writer tells one node in one epoch (``planning.plan_nodes``);
+    its agent turns it into each member's ``MemberInstructions``
+    (``planning.expand``) with its own members' reports. Its size depends on the
+    node, not on the job."""
+
+    epoch: int
+    node: int
+    addresses: Dict[int, Address]                # every peer the node's members talk to
+    outcome: Optional[str] = None                # None (epoch 0) | restore | checkpoint | lost
+    version: Optional[int] = None                # restore: the recovery point; checkpoint: its step
+    message: str = ""                            # checkpoint, lost: which state was lost, in words
+    checkpoint: Optional[str] = None             # checkpoint: the directory to load
+    share_sources: Dict[int, List[int]] = field(default_factory=dict)  # share -> where the node pulls it from
+    own_sources: Dict[int, List[int]] = field(default_factory=dict)    # member needing state -> its holders
+    share_of: Dict[int, int] = field(default_factory=dict)             # member -> the share it snapshots
+    members: List[int] = field(default_factory=list)                   # the node's members in this epoch
+
+    def encode(self) -> bytes:
+        return json.dumps(self.__dict__).encode()  # flat: faster than asdict, the same fields
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "NodeInstructions":
+        data = json.loads(raw)
+        data["addresses"] = {int(p): tuple(a) for p, a in data["addresses"].items()}
+        for name in ("share_sources", "own_sources", "share_of"):
+            data[name] = {int(k): v for k, v in data[name].items()}
+        return cls(**data)

@@ -6,12 +6,15 @@ a process; tests call them with hand-made reports.
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from peerstate.control.messages import MemberReport, RestorePlan, RestoreSource, SharePull
+from peerstate.control.messages import (MemberInstructions, MemberReport, NodeInstructions, RestorePlan, RestoreSource,
+                                        SharePull)
 from peerstate.replication.placement import BuddyPlacement, DataParallelShares
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def node_of_worker(worker: str) -> int:
     return int(worker[1:].split(".")[0])
 
@@ -85,11 +88,11 @@ def share_sources(share: int, version: int, reports: Mapping[int, MemberReport],
 def same_node_regions(worker: str, version: int, sources: List[int],
                       reports: Mapping[int, MemberReport]) -> Dict[int, Tuple[int, int]]:
     """source -> (pid, address of ``version``'s data-parallel region) for the sources
-    on ``worker``'s node: a member pulling a data-parallel share reads those straight
+    on ``worker``'s node (``reports`` may hold that node's members only): a member pulling a data-parallel share reads those straight
     from their memory."""
     node = node_of_worker(worker)
     return {s: (reports[s].pid, reports[s].shared_regions[version]) for s in sources
-            if node_of_worker(reports[s].worker) == node and reports[s].pid
+            if s in reports and node_of_worker(reports[s].worker) == node and reports[s].pid
             and reports[s].shared_regions.get(version)}
 
 
@@ -99,33 +102,120 @@ def describe_loss(lost: Mapping[int, str], failed: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {' and '.join(map(str, ranks))} lost; " + "; ".join(lost.values())
 
 
-def plan_restore(rank: int, worker: str, needs_state: bool, reports: Mapping[int, MemberReport],
-                 placement: BuddyPlacement, shares: Optional[DataParallelShares], failed: Sequence[int],
-                 checkpoint: Optional[Tuple[int, str]] = None) -> RestorePlan:
-    """What ``rank`` (run by ``worker``) does to be at the recovery point.
+SHARE_SOURCES = 4  # members a share is pulled from at most, whatever the number of holders
 
-    ``needs_state``: it holds nothing (a replacement), so it pulls its own state
-    from its holders; otherwise it rolls back from its own snapshot. With
-    ``shares`` (data-parallel state in shares) it also pulls every share it does
-    not snapshot itself (every share, when it needs state). ``checkpoint``: the
-    newest disk checkpoint (step, path), the fallback when some state has no
-    surviving copy; without one such a loss is LOST.
-    """
-    version, lost = recovery_point(reports, placement, shares)
-    if version is None:
-        message = describe_loss(lost, failed)
-        if checkpoint is None:
-            return RestorePlan(RestoreSource.LOST, message=message)
-        step, path = checkpoint
-        return RestorePlan(RestoreSource.CHECKPOINT, version=step, checkpoint=path, message=message)
-    pulls: Dict[int, SharePull] = {}
-    own_share = shares.share_of(rank) if shares is not None else None
-    for share in range(shares.count if shares is not None else 0):
-        if share == own_share and not needs_state:
-            continue
-        sources = share_sources(share, version, reports, shares)
-        pulls[share] = SharePull(share, sources, same_node_regions(worker, version, sources, reports))
-    if not needs_state:
-        return RestorePlan(RestoreSource.LOCAL, version=version, shares=pulls)
-    return RestorePlan(RestoreSource.PEERS, version=version, own_sources=sources_of(rank, version, reports, placement),
-                       shares=pulls)
+
+class ShareHolders:
+    """The members a share can be pulled from at the recovery point, indexed by node
+    so that choosing a node's sources costs O(SHARE_SOURCES), not O(nodes)."""
+
+    def __init__(self, sources: List[int], node_of: Mapping[int, int]) -> None:
+        self.sources = sources
+        self._nodes = [node_of[s] for s in sources]
+        self._by_node: Dict[int, List[int]] = {}
+        for source, node in zip(sources, self._nodes):
+            self._by_node.setdefault(node, []).append(source)
+
+    def pick(self, node: int) -> List[int]:
+        """Up to ``SHARE_SOURCES`` sources for the members of ``node`` (all of them, in
+        order, when there are no more): the ones on the node first (read from memory),
+        then others chosen by node, so that the nodes' pulls spread over all holders
+        (a share of a large job has one holder per node)."""
+        if len(self.sources) <= SHARE_SOURCES:
+            return self.sources
+        picked = list(self._by_node.get(node, [])[:SHARE_SOURCES])
+        index = node % len(self.sources)
+        for _ in range(len(self.sources)):
+            if len(picked) == SHARE_SOURCES:
+                break
+            if self._nodes[index] != node:
+                picked.append(self.sources[index])
+            index = (index + 1) % len(self.sources)
+        return picked
+
+
+def plan_nodes(epoch: int, reports: Mapping[int, MemberReport], placement: BuddyPlacement,
+               shares: Optional[DataParallelShares], failed: Sequence[int] = (),
+               checkpoint: Optional[Tuple[int, str]] = None) -> Dict[int, NodeInstructions]:
+    """Every node's instructions for ``epoch``: the plan writer's part, O(N) once.
+
+    In epoch 0 they only name the peers (every rank's holders). After a failure
+    they carry the recovery point, for each share (``shares``: data-parallel
+    state in shares) the members of the node pull it from, and for each
+    member that needs state (a replacement) its holders at that point. When
+    some state has no surviving copy, every node is told to load the newest
+    disk ``checkpoint`` (step, path), or, without one, that the state is lost.
+    ``expand`` turns a node's instructions into each member's."""
+    node_of = {r: node_of_worker(report.worker) for r, report in reports.items()}
+    by_node: Dict[int, List[int]] = {}
+    for rank in sorted(reports):
+        by_node.setdefault(node_of[rank], []).append(rank)
+    outcome, version, message, path = None, None, "", None
+    holders_at: Dict[int, ShareHolders] = {}
+    if epoch > 0:
+        version, lost = recovery_point(reports, placement, shares)
+        if version is None:
+            message = describe_loss(lost, failed)
+            outcome = "lost" if checkpoint is None else "checkpoint"
+            version, path = checkpoint if checkpoint is not None else (None, None)
+        else:
+            outcome = "restore"
+            holders_at = {share: ShareHolders(share_sources(share, version, reports, shares), node_of)
+                          for share in range(shares.count if shares is not None else 0)}
+    orders: Dict[int, NodeInstructions] = {}
+    for node, ranks in by_node.items():
+        pulls = {share: holders.pick(node) for share, holders in holders_at.items()}
+        own = {r: sources_of(r, version, reports, placement) for r in ranks
+               if outcome == "restore" and reports[r].needs_state}
+        peers = {p for r in ranks for p in placement.holders(r)}
+        peers.update(p for sources in own.values() for p in sources)
+        peers.update(p for sources in pulls.values() for p in sources)
+        orders[node] = NodeInstructions(
+            epoch, node, {p: reports[p].address for p in sorted(peers)}, outcome, version, message, path, pulls, own,
+            {r: shares.share_of(r) for r in ranks} if holders_at else {}, list(ranks))
+    return orders
+
+
+def expand(orders: NodeInstructions, reports: Mapping[int, MemberReport],
+           ranks: Optional[Sequence[int]] = None) -> Dict[int, MemberInstructions]:
+    """The instructions of the node's members ``ranks`` (default: all of them) from
+    the node's: each member's own part, computed in the member, from the reports of
+    its node's members (which give the same-node regions)."""
+    members: Dict[int, MemberInstructions] = {}
+    for rank in (reports if ranks is None else ranks):
+        report = reports[rank]
+        restore: Optional[RestorePlan] = None
+        if orders.outcome == "lost":
+            restore = RestorePlan(RestoreSource.LOST, message=orders.message)
+        elif orders.outcome == "checkpoint":
+            restore = RestorePlan(RestoreSource.CHECKPOINT, version=orders.version, checkpoint=orders.checkpoint,
+                                  message=orders.message)
+        elif orders.outcome == "restore":
+            pulls = {share: SharePull(share, sources, same_node_regions(report.worker, orders.version, sources,
+                                                                        reports))
+                     for share, sources in orders.share_sources.items()
+                     if report.needs_state or share != orders.share_of.get(rank)}
+            restore = (RestorePlan(RestoreSource.PEERS, version=orders.version, own_sources=orders.own_sources[rank],
+                                   shares=pulls) if report.needs_state else
+                       RestorePlan(RestoreSource.LOCAL, version=orders.version, shares=pulls))
+        members[rank] = MemberInstructions(rank, orders.addresses, restore)
+    return members
+
+
+def plan_restores(reports: Mapping[int, MemberReport], placement: BuddyPlacement,
+                  shares: Optional[DataParallelShares], failed: Sequence[int],
+                  checkpoint: Optional[Tuple[int, str]] = None) -> Dict[int, RestorePlan]:
+    """Every member's restore plan after a failure: ``plan_nodes`` then ``expand``,
+    as the plan writer and the node agents compute them together."""
+    plans: Dict[int, RestorePlan] = {}
+    for node, orders in plan_nodes(1, reports, placement, shares, failed, checkpoint).items():
+        mine = {r: reports[r] for r in reports if node_of_worker(reports[r].worker) == node}
+        plans.update({r: m.restore for r, m in expand(orders, mine).items()})
+    return plans
+
+
+def plan_restore(rank: int, reports: Mapping[int, MemberReport], placement: BuddyPlacement,
+                 shares: Optional[DataParallelShares], failed: Sequence[int],
+                 checkpoint: Optional[Tuple[int, str]] = None) -> RestorePlan:
+    """One member's part of ``plan_restores``."""
+    return plan_restores(reports, placement, shares, failed, checkpoint)[rank]

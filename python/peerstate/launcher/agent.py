@@ -5,7 +5,10 @@ It starts this node's workers and hot spares, sees a worker die at once
 a process that has begun to exit, see ``ExitWatch``), sees a
 worker freeze through its progress counter in shared memory, keeps this node's
 heartbeat lease alive and watches the next nodes' on a ring (``leases``),
-writes recovery plans (through the Coordinator) when it sees a failure, refills
+writes recovery plans (through the Coordinator) when it sees a failure, relays
+the recovery protocol between its workers and the job's store through a node
+channel it hosts on loopback (``NodeRelay``; as an epoch's owner it writes
+every node's instructions), refills
 its spare pool, and never restarts a healthy worker. It exits 0 when every rank finished, and
 otherwise non-zero with a one-paragraph summary.
 
@@ -31,12 +34,14 @@ from peerstate.control import progress as progress_file
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.environment import WorkerEnvironment, job_secret
 from peerstate.control.kvstore import TorchKeyValueStore
+from peerstate.control.node_relay import NodeRelay
+from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
 from peerstate.control.planning import node_of_worker
 from peerstate.control.progress import ProgressCounter
 from peerstate.control.timeline import EventLog
 from peerstate.errors import InvalidArgumentError, JobFailedError
 from peerstate.launcher.inject import Fault, FaultInjector
-from peerstate.launcher.leases import LeaseWatch
+from peerstate.control.leases import LeaseWatch
 from peerstate.launcher.processes import WorkerProcess, describe_exit, die_with_parent, log_tail
 
 POLL_SECONDS = 0.005
@@ -105,6 +110,8 @@ class Agent:
         self._job_started: Optional[float] = None
         self._spares_wanted = 0
         self._dying: List[subprocess.Popen] = []  # failed workers whose exit has not completed yet
+        self._fenced_reason: Optional[str] = None
+        self._relay_stop: Optional[threading.Event] = None
 
     # -- start ----------------------------------------------------------------------
     def run(self) -> int:
@@ -155,9 +162,40 @@ class Agent:
                 self.coordinator.fail_job(message)
                 raise JobFailedError(message)
             time.sleep(0.02)
-        members = {r: f"n{r // config.nproc_per_node}.{r % config.nproc_per_node}" for r in range(self.world_size)}
-        self.coordinator.start(members)
+        self.coordinator.start(self.name)
+        self._start_relay()
         self.events.write("agent_started", node=self.node, store=self.store_address)
+
+    def _start_relay(self) -> None:
+        """Host this node's channel (loopback, for its own workers only) and relay the
+        recovery protocol between it and the job's store (``NodeRelay``), on a thread
+        with its own store connection."""
+        self.channel = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=self.config.join_timeout)
+        kv = self.kv.clone()
+        coordinator = Coordinator(kv)
+        writer = InstructionWriter(kv, coordinator, self.name, self.events, self.config.join_timeout * WRITER_MARGIN,
+                                   self._fence)
+        self.relay = NodeRelay(kv, self.channel.clone(), coordinator, writer, self.node, self.name,
+                               self.config.join_timeout, self._fail, self._fenced)
+        self._relay_stop = threading.Event()
+        self._relay_thread = threading.Thread(target=self.relay.run, args=(self._relay_stop,), name="peerstate-relay",
+                                              daemon=True)
+        self._relay_thread.start()
+
+    def _fence(self, nodes: List[int], reason: str) -> None:
+        """Nodes that did not report in time: declared lost (their agents stop their
+        workers when they see it) and their ranks handed to spares."""
+        plan = self.coordinator.latest_plan()
+        for node in nodes:
+            if Coordinator(self.kv.clone()).declare_node_dead(node, self.name):
+                workers = [w for w in plan.members.values() if node_of_worker(w) == node]
+                self._report(workers, f"{reason}: node {node} is declared lost", time.time())
+
+    def _fenced(self) -> None:
+        """This node was declared lost while it lives (a lease or a report came too
+        late): its ranks belong to spares now, so its workers must stop."""
+        self._fenced_reason = (f"node {self.node} was declared lost by the other nodes (its lease or its report came "
+                               "too late); its ranks were given to spares")
 
     def _spawn_initial(self) -> None:
         for local in range(self.config.nproc_per_node):
@@ -185,7 +223,7 @@ class Agent:
             nproc_per_node=config.nproc_per_node, node=self.node, host=config.host, progress=str(counter_path),
             events=str(self.log_dir / "events.jsonl"), secret=self.secret, rank=rank,
             checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
-            protection=config.frame_protection).to_env())
+            protection=config.frame_protection, node_store=f"127.0.0.1:{self.channel.port}").to_env())
         log = self.log_dir / f"{worker}.log"
         with open(log, "ab") as out:
             popen = subprocess.Popen([sys.executable, *config.script], env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -210,6 +248,11 @@ class Agent:
             now = time.monotonic()
             if now >= next_watch:
                 next_watch = now + WATCH_SECONDS
+                if self._fenced_reason:
+                    self._stopping = True
+                    print(f"peerstate: {self._fenced_reason}. Node {self.node} stops its workers and spares.",
+                          file=sys.stderr, flush=True)
+                    return 1
                 self.kv.add(keys.node_lease(self.node), 1)
                 failure = self.coordinator.failure()
                 if failure:
@@ -379,6 +422,9 @@ class Agent:
 
     def _kill_all(self) -> None:
         self._stopping = True
+        if self._relay_stop is not None:  # its blocked wait must end before the stores go away
+            self._relay_stop.set()
+            self._relay_thread.join(timeout=5.0)
         for process in self.processes.values():
             if process.popen.poll() is None:
                 try:

@@ -88,6 +88,7 @@ class BuddyPlacement:
         for rank, node in enumerate(self.node_of_rank):
             ranks_by_node.setdefault(node, []).append(rank)
         ring = self._node_ring(ranks_by_node)
+        self._ring_position = {n: i for i, n in enumerate(ring)}
 
         self._holders: Dict[int, List[int]] = {}
         if bytes_of_rank is None:
@@ -111,9 +112,11 @@ class BuddyPlacement:
     def _ring_holders(self, rank: int, ring: List[Hashable], ranks_by_node: "OrderedDict") -> List[int]:
         """The ranks with ``rank``'s local index on the next k nodes of the ring."""
         node = self.node_of_rank[rank]
-        position = ring.index(node)
+        position = self._ring_position[node]
         local = ranks_by_node[node].index(rank)
-        order = [ring[(position + step) % len(ring)] for step in range(1, len(ring))]
+        # Without racks only the next k nodes matter: O(k) per rank, not O(nodes).
+        span = len(ring) if self.rack_of_rank is not None else min(len(ring), self.k + 1)
+        order = [ring[(position + step) % len(ring)] for step in range(1, span)]
         if self.rack_of_rank is not None:  # other racks first, each in ring order
             rack = self.rack_of_rank
             order = ([n for n in order if rack[ranks_by_node[n][0]] != rack[rank]] +

@@ -46,7 +46,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 STRATEGIES = ("checkpoint-restart", "in-memory restart (HyperPod)", "peerstate")
 DEFAULT_SIZES = (1024, 4096, 16384, 32768, 65536, 100000)
@@ -68,6 +68,19 @@ class GoodputInputs:
     k: int = 1                          # buddy copies
     correlated: float = 0.01            # p_corr: a failure also takes a rank's buddy
     window_s: Optional[float] = None    # W: default R_ps + one step
+    # The control plane's share of a recovery at N ranks, measured by bench/scale.py: (ranks, seconds).
+    # R_ps(N) = R_ps + (C(N) - C(smallest measured)); past the largest, C grows linearly with N.
+    control_plane: Tuple[Tuple[int, float], ...] = ()
+
+    def recovery_s(self, accelerators: int) -> float:
+        """R_ps at ``accelerators`` ranks: the measured small job's kill-to-first-step (its
+        data plane, which per-rank state sets, not the job's size) plus how much the
+        control plane grows from the smallest simulated size to this one. Process-group
+        re-formation at N is not in it (not modelled)."""
+        curve = sorted(self.control_plane)
+        if len(curve) < 2:
+            return self.peerstate_recovery_s
+        return self.peerstate_recovery_s + max(0.0, _interpolate(curve, accelerators) - curve[0][1])
 
     @property
     def rate_per_accelerator(self) -> float:
@@ -80,6 +93,17 @@ class GoodputInputs:
     @property
     def window(self) -> float:
         return self.window_s if self.window_s is not None else self.peerstate_recovery_s + self.step_s
+
+
+def _interpolate(curve: Sequence[Tuple[int, float]], x: int) -> float:
+    """Piecewise linear through ``curve``; linear in x past its ends (from the end segments)."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = curve[-2], curve[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
 def checkpoint_interval(inputs: GoodputInputs, accelerators: int) -> float:
@@ -107,7 +131,7 @@ def closed_form(inputs: GoodputInputs, accelerators: int) -> Dict[str, float]:
     lost_in_memory = inputs.lag_steps * inputs.step_s
     q = buddy_loss_probability(inputs)
     keep = 1.0 - inputs.peerstate_overhead
-    peer_loss = (1 - q) * (inputs.peerstate_recovery_s + lost_in_memory) + q * (inputs.restart_s + t_disk / 2.0)
+    peer_loss = (1 - q) * (inputs.recovery_s(accelerators) + lost_in_memory) + q * (inputs.restart_s + t_disk / 2.0)
     return {
         "checkpoint-restart": max(0.0, 1.0 - inputs.checkpoint_stall_s / t - (inputs.restart_s + t / 2.0) / m),
         "in-memory restart (HyperPod)": max(0.0, keep * (1.0 - (inputs.in_memory_restart_s + lost_in_memory) / m)),
@@ -170,7 +194,7 @@ def monte_carlo(inputs: GoodputInputs, accelerators: int, *, days: float = 30.0,
         to_disk.append(draw.random() < inputs.correlated or exposed)
         last_failure[node] = time
     t_disk = peerstate_disk_interval(inputs, accelerators)
-    ours = play(lambda i: (inputs.restart_s, None) if to_disk[i] else (inputs.peerstate_recovery_s, lost_in_memory),
+    ours = play(lambda i: (inputs.restart_s, None) if to_disk[i] else (inputs.recovery_s(accelerators), lost_in_memory),
                 keep, t_disk, inputs.checkpoint_stall_s)
     return {"checkpoint-restart": classic, "in-memory restart (HyperPod)": in_memory, "peerstate": ours,
             "failures": len(failures), "buddy_losses": sum(to_disk)}
@@ -186,8 +210,9 @@ def _cycles(span: float, interval: float, stall: float):
 
 
 def inputs_from_results(results_dir: Path, **overrides) -> GoodputInputs:
-    """Defaults, with peerstate's overhead and recovery time read from the benchmarks
-    (bench/results/overhead.json, recovery.json) where they exist."""
+    """Defaults, with peerstate's overhead, recovery time and control-plane curve read
+    from the benchmarks (bench/results/overhead.json, recovery.json, scale.json) where
+    they exist."""
     values = {}
     overhead = results_dir / "overhead.json"
     if overhead.exists():
@@ -197,6 +222,9 @@ def inputs_from_results(results_dir: Path, **overrides) -> GoodputInputs:
     if recovery.exists():
         rows = json.loads(recovery.read_text())["rows"]
         values["peerstate_recovery_s"] = next(r["ours_s"] for r in rows if r["phase"] == "kill to first step")
+    scale = results_dir / "scale.json"
+    if scale.exists():
+        values["control_plane"] = tuple((r["ranks"], r["ours_s"]) for r in json.loads(scale.read_text())["rows"])
     values.update({k: v for k, v in overrides.items() if v is not None})
     return GoodputInputs(**values)
 
@@ -205,7 +233,7 @@ def table(inputs: GoodputInputs, sizes: Sequence[int], monte_carlo_days: float =
           seed: int = 0) -> List[dict]:
     rows = []
     for n in sizes:
-        row = {"accelerators": n, "mtbf_h": inputs.mtbf(n) / 3600.0,
+        row = {"accelerators": n, "mtbf_h": inputs.mtbf(n) / 3600.0, "peerstate_recovery_s": inputs.recovery_s(n),
                "checkpoint_interval_min": checkpoint_interval(inputs, n) / 60.0,
                **{f"closed {k}": v for k, v in closed_form(inputs, n).items()}}
         if monte_carlo_days:
@@ -218,15 +246,17 @@ def table(inputs: GoodputInputs, sizes: Sequence[int], monte_carlo_days: float =
 def print_table(inputs: GoodputInputs, rows: List[dict]) -> None:
     print(f"failure rate {inputs.rate_per_accelerator * 3600 * 1e6:.2f} per million accelerator-hours "
           f"({inputs.interruptions:g} in {inputs.days:g} days on {inputs.accelerators_observed} accelerators); "
-          f"peerstate: overhead {inputs.peerstate_overhead:.1%}, recovery {inputs.peerstate_recovery_s:.2f}s, "
+          f"peerstate: overhead {inputs.peerstate_overhead:.1%}, recovery {inputs.peerstate_recovery_s:.2f}s at 4 ranks "
+          f"(R_ps: plus the control plane's growth, bench/scale.py{'' if inputs.control_plane else ': not measured'}), "
           f"k={inputs.k}, buddy-loss probability {buddy_loss_probability(inputs):.4f} per failure")
     simulated = "simulated peerstate" in rows[0]
-    header = f"{'accelerators':>12}{'MTBF h':>9}{'ckpt every':>11}" + "".join(f"{s[:18]:>20}" for s in STRATEGIES)
+    header = f"{'accelerators':>12}{'MTBF h':>9}{'ckpt every':>11}{'R_ps':>7}" + "".join(f"{s[:18]:>20}" for s in STRATEGIES)
     if simulated:
         header += f"{'sim ckpt':>10}{'sim mem':>9}{'sim ours':>10}{'lost/failures':>15}"
     print(header)
     for row in rows:
         line = (f"{row['accelerators']:>12}{row['mtbf_h']:>9.2f}{row['checkpoint_interval_min']:>9.1f}m"
+                f"{row['peerstate_recovery_s']:>6.2f}s"
                 + "".join(f"{row[f'closed {s}']:>20.2%}" for s in STRATEGIES))
         if simulated:
             line += (f"{row['simulated checkpoint-restart']:>10.2%}"

@@ -22,9 +22,11 @@ extras) is captured eagerly at the boundary.
 What happens on a failure: the agent writes a plan for a new epoch; this
 worker's watcher thread sees it within milliseconds and aborts the process
 group and the replication transfers, so the loop's blocked call fails into
-``guard``. The next turn of ``steps()`` then joins the new epoch: members
-report what they hold, agree on the recovery point v (the newest version held
-for every rank), re-form the process group, roll back to v (survivors from
+``guard``. The next turn of ``steps()`` then joins the new epoch: each member
+hands its node agent a report of what it holds and gets back its instructions
+(the recovery point v, the newest version held for every rank, computed once
+by the epoch's plan writer: see ``control.node_relay``), re-forms the process
+group, rolls back to v (survivors from
 their own snapshot, the replacement by pulling it from the buddies; with
 ``data_parallel=True`` everyone also pulls the data-parallel shares it does
 not snapshot itself), rebuild DDP and go on at step v+1, bit for bit the run
@@ -135,6 +137,8 @@ class Job:
         self._replica_budget_bytes = replica_budget_bytes
         self.events = EventLog(env.events, env.worker)
         self.kv = TorchKeyValueStore(env.store_host, env.store_port, timeout=join_timeout)
+        node_host, node_port = env.node_store.rsplit(":", 1)
+        self.channel = TorchKeyValueStore(node_host, int(node_port), timeout=join_timeout)  # to its agent
         self.coordinator = Coordinator(self.kv)
         nodes = [r // env.nproc_per_node for r in range(env.world_size)]
         self.placement = BuddyPlacement(nodes, k=k)
@@ -159,7 +163,7 @@ class Job:
                                      self.progress, snapshot_every, join_timeout)
         self.restorer = Restorer(self.membership, self.tracked, checkpoints, self.report)
         self.wrappers = DistributedWrappers(self.kv)
-        self.joiner = EpochJoiner(self.membership, self.kv, self.coordinator, self.groups, self.tracked,
+        self.joiner = EpochJoiner(self.membership, self.kv, self.channel, self.coordinator, self.groups, self.tracked,
                                   self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,
                                   self.placement, self.shares, env.world_size, join_timeout, failure_grace)
         self.aborts = AbortHandler(self.membership, [self.groups.abort, self._abort_transfers], self.events,
@@ -171,8 +175,7 @@ class Job:
         if env.spare:
             _warm_up()
         else:
-            self.kv.wait([keys.epoch_plan(0)], timeout=join_timeout)
-            self._become_member(self.coordinator.plan(0), env.rank)
+            self._become_member(self._plan(0), env.rank)
 
     # -- what the script reads -----------------------------------------------------
     @property
@@ -301,8 +304,14 @@ class Job:
                     raise JobFailedError(f"the job stopped while this spare waited: {self.coordinator.failure()}")
         assignment = json.loads(self.kv.get(key))
         self.events.write("spare_assigned", **assignment)
-        self._become_member(self.coordinator.plan(assignment["epoch"]), assignment["rank"])
+        self._become_member(self._plan(assignment["epoch"]), assignment["rank"])
         return self.rank
+
+    def _plan(self, epoch: int) -> RecoveryPlan:
+        """Epoch ``epoch``'s plan, from the agent's copy in the node channel."""
+        key = keys.epoch_plan(epoch)
+        self.channel.wait([key], timeout=self.join_timeout)
+        return RecoveryPlan.decode(self.channel.get(key))
 
     # -- membership ------------------------------------------------------------------
     def _become_member(self, plan: RecoveryPlan, rank: int) -> None:
@@ -315,7 +324,7 @@ class Job:
                                        protection=self._env.protection)
         self.joiner.replication = self.restorer.replication = self.boundary.replication = self.replication
         self.boundary.replication_serves_shares()  # a spare registered its share stores before its rank
-        self.watcher = self.joiner.watcher = EpochWatcher(self.kv.clone(), plan, self.aborts.on_new_epoch)
+        self.watcher = self.joiner.watcher = EpochWatcher(self.channel.clone(), plan, self.aborts.on_new_epoch)
         try:
             self.joiner.join(plan)
         except Superseded:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Dict, Optional
+from typing import Optional
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
-from peerstate.control.kvstore import TorchKeyValueStore
-from peerstate.control.messages import MemberReport, RecoveryPlan, RestorePlan, RestoreSource
-from peerstate.control.planning import plan_restore
+from peerstate.control.kvstore import KeyValueStore, TorchKeyValueStore
+from peerstate.control.messages import (MemberInstructions, MemberReport, NodeInstructions, RecoveryPlan, RestorePlan,
+                                        RestoreSource, StateLayout)
+from peerstate.control.planning import expand, node_of_worker
 from peerstate.control.timeline import EventLog
 from peerstate.errors import AbortedError, JobFailedError, StateLostError
 from peerstate.replication.endpoint import Replication
@@ -33,15 +34,19 @@ class Superseded(Exception):
 
 class EpochJoiner:
     """Runs the joins of one member. Every collaborator is handed in; the
-    replication endpoint and the watcher are set once the member has a rank."""
+    replication endpoint and the watcher are set once the member has a rank.
+    ``kv`` is the job's store (process groups, the job's failure); ``channel``
+    the node channel its agent relays the recovery protocol through
+    (``control.node_relay``)."""
 
-    def __init__(self, membership: Membership, kv: TorchKeyValueStore, coordinator: Coordinator,
+    def __init__(self, membership: Membership, kv: TorchKeyValueStore, channel: KeyValueStore, coordinator: Coordinator,
                  groups: ProcessGroups, tracked: TrackedState, restorer: Restorer, boundary: StepBoundary,
                  wrappers: DistributedWrappers, checkpoints: DiskCheckpoints, report: RecoveryReport,
                  events: EventLog, placement: BuddyPlacement, shares: DataParallelShares, world_size: int,
                  join_timeout: float, failure_grace: float) -> None:
         self.membership = membership
         self.kv = kv
+        self.channel = channel  # the node channel: reports and instructions go through the agent
         self.coordinator = coordinator
         self.groups = groups
         self.tracked = tracked
@@ -74,8 +79,8 @@ class EpochJoiner:
         """Join ``plan``'s epoch: report, agree on the recovery point, re-form, restore.
         Raises Superseded when a newer epoch began meanwhile."""
         membership, rank = self.membership, self.membership.rank
-        if plan.members.get(rank) != membership.worker:
-            raise JobFailedError(f"rank {rank} was given to {plan.members.get(rank)} in epoch "
+        if plan.replaced.get(rank, membership.worker) != membership.worker:
+            raise JobFailedError(f"rank {rank} was given to {plan.replaced[rank]} in epoch "
                                  f"{plan.epoch}: this worker was declared failed")
         needs_state = membership.begin_join()
         if plan.epoch > 0:
@@ -88,10 +93,10 @@ class EpochJoiner:
             if not needs_state:
                 self.report.mark("abort")
         membership.epoch = plan.epoch
-        reports = self._exchange_reports(plan.epoch, needs_state)
+        orders = self._report_and_wait(plan.epoch, needs_state)
         restore = None
         if plan.epoch > 0:
-            restore = self._plan(plan, reports, needs_state)
+            restore = self._plan(plan, orders.restore)
             self.next_step = restore.version + 1
             self.report.first_step_after = self.next_step
         # Rolling back from memory overlaps the re-forming of the group: both take tens
@@ -132,56 +137,49 @@ class EpochJoiner:
             return
         self.wrappers.rebuild()
 
-    def _exchange_reports(self, epoch: int, needs_state: bool) -> Dict[int, MemberReport]:
-        """Publish this member's report, read every member's, and point the transport
-        at every member's server."""
+    def _report_and_wait(self, epoch: int, needs_state: bool) -> MemberInstructions:
+        """Hand this member's report to its agent (the node channel) and wait for its
+        instructions; point the transport at the peers they name."""
         rank = self.membership.rank
         local = self.tracked.local_versions(rank)
         share = self.tracked.own_share(rank)
         regions = {v: share.region_address(v) for v in local} if share is not None else {}
-        self.kv.set(keys.member_report(epoch, rank), MemberReport(
+        layout = StateLayout(self.placement.k, self.shares.count, self.tracked.data_parallel)
+        self.channel.set(keys.member_report(epoch, rank), MemberReport(
             rank, self.membership.worker, local, self.replication.held_versions(), self.replication.address,
-            needs_state, os.getpid(), regions).encode())
-        reports = self._gather_reports(epoch)
-        self.replication.connect({r: report.address for r, report in reports.items()})
-        return reports
+            needs_state, os.getpid(), regions, self.checkpoints.latest(), layout).encode())
+        key = keys.member_instructions(epoch, node_of_worker(self.membership.worker))
+        deadline = time.monotonic() + self.join_timeout
+        while True:
+            self.check_current(epoch)
+            try:
+                self.channel.wait([key], timeout=0.5)
+                break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise JobFailedError(f"rank {rank} got no instructions for epoch {epoch} within "
+                                         f"{self.join_timeout:.0f}s: the members of some node did not all join "
+                                         "(see the agents' output)") from None
+        node_orders = NodeInstructions.decode(self.channel.get_existing([key])[0])
+        names = [keys.member_report(epoch, r) for r in node_orders.members]
+        reports = {r: MemberReport.decode(raw) for r, raw in zip(node_orders.members, self.channel.get_existing(names))}
+        orders = expand(node_orders, reports, [rank])[rank]
+        self.replication.connect(orders.addresses)
+        return orders
 
-    def _plan(self, plan: RecoveryPlan, reports: Dict[int, MemberReport], needs_state: bool) -> RestorePlan:
-        """This member's restore plan; a loss falls back to the disk checkpoint or stops the job."""
-        rank = self.membership.rank
-        restore = plan_restore(rank, self.membership.worker, needs_state, reports, self.placement,
-                               self.shares if self.tracked.data_parallel else None, plan.failed,
-                               self.checkpoints.latest())
+    def _plan(self, plan: RecoveryPlan, restore: RestorePlan) -> RestorePlan:
+        """Act on this member's restore plan: a loss (the plan writer already stopped
+        the job) raises; a checkpoint fallback is said; otherwise newer replicas go."""
         if restore.source is RestoreSource.LOST:
             reason = f"{restore.message}. No disk checkpoint is configured (--checkpoint-dir), so the job stops."
             self.coordinator.fail_job(reason)
-            held = {r: {"local": report.local, "replicas": report.replicas, "needs_state": report.needs_state}
-                    for r, report in reports.items()}
-            self.events.write("state_lost", epoch=plan.epoch, message=reason, held=held)
             raise StateLostError(reason)
         if restore.source is RestoreSource.CHECKPOINT:
-            self.events.write("checkpoint_fallback", epoch=plan.epoch, message=restore.message, step=restore.version,
-                              path=restore.checkpoint)
             print(f"peerstate: {restore.message}; falling back to the disk checkpoint of step {restore.version} "
                   f"({restore.checkpoint})", file=sys.stderr, flush=True)
         else:
             self.replication.drop_newer(restore.version)
         return restore
-
-    def _gather_reports(self, epoch: int) -> Dict[int, MemberReport]:
-        names = [keys.member_report(epoch, r) for r in range(self.world_size)]
-        deadline = time.monotonic() + self.join_timeout
-        while True:
-            self.check_current(epoch)
-            try:
-                self.kv.wait(names, timeout=0.5)
-                break
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    missing = [r for r, raw in zip(range(self.world_size), self.kv.get_many(names)) if raw is None]
-                    raise JobFailedError(f"ranks {missing} did not join epoch {epoch} within "
-                                         f"{self.join_timeout:.0f}s") from None
-        return {r: MemberReport.decode(raw) for r, raw in enumerate(self.kv.get_many(names))}
 
     def failure_declared(self, epoch: int) -> bool:
         """After an error in the loop: wait for the coordinator to declare a failure

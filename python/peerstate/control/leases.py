@@ -46,35 +46,28 @@ class LeaseWatch:
         self.nnodes = nnodes
         self.timeout = timeout
         self._me = me
-        self._seen: Dict[int, Tuple[Optional[bytes], float]] = {}  # node -> (lease, when it last moved)
+        self._seen: Dict[int, Tuple[Optional[int], float]] = {}  # node -> (lease, when it last moved)
         self._gone: Dict[int, bool] = {}  # nodes seen dead or done: never watched again
 
     def check(self, now: float) -> List[Tuple[int, float]]:
         """The nodes this agent declared lost in this check, each with how long its
-        lease had stood still. Reads lease, dead and done of the window only."""
+        lease had stood still. Reads the window's leases (one request each); a lease
+        that stood still past the timeout costs one more read, of its dead and done
+        flags (a finished or already declared node is passed over from then on)."""
         declared: List[Tuple[int, float]] = []
-        values: Dict[int, List[Optional[bytes]]] = {}
-
-        def gone(other: int) -> bool:
-            if self._gone.get(other):
-                return True
-            values[other] = self._kv.get_many([keys.node_lease(other), keys.node_dead(other), keys.node_done(other)])
-            lease, dead, done = values[other]
-            if dead or done:
-                self._gone[other] = True
-            return bool(dead or done)
-
-        watched, _ = ring_window(self.node, self.nnodes, gone)
+        watched, _ = ring_window(self.node, self.nnodes, lambda other: self._gone.get(other, False))
         for other in watched:
-            lease = values[other][0]
-            if lease is None:
+            lease = self._kv.add(keys.node_lease(other), 0)
+            if lease == 0:
                 continue  # not started yet
             seen, seen_at = self._seen.get(other, (None, now))
             if lease != seen:
                 self._seen[other] = (lease, now)
-            elif now - seen_at > self.timeout:
-                self._gone[other] = True
-                if self._coordinator.declare_node_dead(other, self._me):
-                    declared.append((other, now - seen_at))
+                continue
+            if now - seen_at <= self.timeout:
+                continue
+            self._gone[other] = True
+            dead, done = self._kv.get_many([keys.node_dead(other), keys.node_done(other)])
+            if not dead and not done and self._coordinator.declare_node_dead(other, self._me):
+                declared.append((other, now - seen_at))
         return declared
-

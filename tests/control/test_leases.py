@@ -7,7 +7,7 @@ import pytest
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.memory_store import InMemoryKeyValueStore
-from peerstate.launcher.leases import LeaseWatch, ring_window
+from peerstate.control.leases import LeaseWatch, ring_window
 
 
 def test_an_agent_watches_its_two_nearest_live_successors():
@@ -74,16 +74,15 @@ def test_a_finished_node_is_not_declared_lost():
 def test_a_check_costs_a_few_store_requests_at_any_size():
     from peerstate.control.kvstore import TorchKeyValueStore
 
-    class Counting(TorchKeyValueStore):
-        calls = 0
-
-        def get_many(self, names):
-            Counting.calls += len(names)
-            return super().get_many(names)
-
-    kv = Counting("127.0.0.1", 0, host_store=True, timeout=10)
     for nnodes in (4, 512):
-        Counting.calls = 0
+        kv = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=10)
+        for n in range(nnodes):
+            kv.add(keys.node_lease(n), 1)
         watch = LeaseWatch(kv, Coordinator(kv), 1, nnodes, 3.0, "agent1")
+        before = kv.count.requests
         watch.check(0.0)
-        assert Counting.calls == 2 * 3  # lease, dead and done of two successors
+        assert kv.count.requests - before == 2  # the leases of two successors, one request each
+        before = kv.count.requests
+        watch.check(10.0)  # both stood still past the timeout: their flags are read, both declared
+        # leases; the two absent flags of each (a check of both, then one each); compare_set + append each
+        assert kv.count.requests - before == 2 + 2 * 3 + 2 * 2

@@ -1,0 +1,321 @@
+"""Scale benchmark: the control plane's share of a recovery at 256 to 16,384 ranks.
+
+For each size N (nodes of 8 ranks, one spare each, the default data-parallel
+layout: 8 shares, a buddy on the next node), in the same run:
+
+- ours: N/8 simulated agents (``peerstate.tools.simulation``) run the real
+  NodeRelay / InstructionWriter / Coordinator code over one real TCPStore,
+  each with its own connections, multiplexed on threads in ``--processes``
+  processes (16: an interpreter lock shared by a thousand simulated agents
+  made 16,384 ranks 10 s with 2 processes, 5.7 s with 4, 3.4 s with 16, on
+  the same 2 cores). One rank is failed: its node's agent writes the plan (as the
+  agent that reaped the worker does), every node reports once, the plan
+  writer computes every rank's instructions and writes one entry per node,
+  every agent hands its members theirs. Measured: failure reported -> the
+  last member holding its instructions, and the store requests and bytes of
+  that recovery (every client counts its own).
+- baseline: the protocol before it (the all-to-all of ``EpochJoiner`` up to
+  commit be51987): every member waits for and reads a plan that lists all N
+  members, publishes its report, waits for and reads all N reports. Its N
+  members run on threads over the same store; they make exactly those
+  requests (they do not decode what they read, which only favours the
+  baseline).
+- steady state: the store requests per second of leases and watchers, from
+  real agent ticks (ours: ring window; baseline: every other node's lease,
+  dead and done keys each tick, plus a worker's watcher wait each second).
+
+Modelled, not measured: the node channel (in-process, instantaneous), the
+workers' abort and restore, and torch's process-group rendezvous.
+
+Run: python bench/scale.py [--quick] [--sizes 256,1024] [--baseline-max 4096]
+Writes bench/results/scale.json: rows with ranks, ours_s, baseline_s, speedup,
+store_requests, store_bytes, steady_requests_per_s (and the baseline's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "scale.json"
+NPROC = 8
+WATCH_SECONDS = 0.1   # launcher.agent.WATCH_SECONDS: one store tick per agent
+RELAY_WAIT_SECONDS = 1.0  # NodeRelay's idle wait for the next plan
+OLD_WATCHER_SECONDS = 1.0  # the old per-worker watcher's wait on the job's store
+
+
+def _store(address: str, host_store: bool = False):
+    from peerstate.control.kvstore import TorchKeyValueStore
+
+    host, port = address.rsplit(":", 1)
+    return TorchKeyValueStore(host, int(port), host_store=host_store, timeout=300.0)
+
+
+# -- a member process: simulated agents (ours) ---------------------------------------------------
+def run_agents(args) -> None:
+    from peerstate.tools.simulation import SimulatedNode, served_by
+
+    world = args.nnodes * NPROC
+    served = served_by(world, NPROC, 1)
+    with ThreadPoolExecutor(64) as pool:  # a TCPStore client now and then takes seconds to connect: overlap them
+        nodes = list(pool.map(lambda n: SimulatedNode(args.store, n, args.nnodes, NPROC, served, report_timeout=600.0),
+                              range(args.first, args.last)))
+    for node in nodes:
+        node.connect()
+    kv = _store(args.store)
+    kv.add("sim/connected", 1)  # every node connected (a job's agents start together) before any relays
+    while kv.add("sim/connected", 0) < args.processes:
+        time.sleep(0.05)
+    for node in nodes:
+        node.start()
+    for node in nodes:
+        node.channel.wait_delivered(0, 300.0)
+    before, before_at = _counts(nodes), time.time()
+    kv.add("sim/ready", 1)
+    delivered = [node.channel.wait_delivered(1, 300.0) for node in nodes]
+    after = _counts(nodes)
+    writers = [node.writer for node in nodes if node.writer.last_times.get("published", 0) > before_at]
+    compute = writers[0].last_compute_s if writers else 0.0
+    writer_times = writers[0].last_times if writers else {}
+    for node in nodes:
+        node.stop(wait=False)  # each relay leaves its wait within a second: all at once, not one after another
+    for node in nodes:
+        node.stop()
+    ticks, start = 3, _counts(nodes)["requests"]
+    for round_ in range(ticks):
+        for node in nodes:
+            node.tick(100.0 + round_ * WATCH_SECONDS)
+    per_tick = (_counts(nodes)["requests"] - start) / (ticks * len(nodes))
+    kv.set(f"sim/result/{args.index}", json.dumps({
+        "last_delivery": max(delivered), "requests": after["requests"] - before["requests"],
+        "bytes": after["bytes"] - before["bytes"], "compute_s": compute, "writer_times": writer_times,
+        "first_delivery": min(delivered), "requests_per_tick": per_tick,
+        "failures": [f for node in nodes for f in node.failures]}).encode())
+
+
+def _counts(nodes) -> Dict[str, int]:
+    counts = [node.kv.count for node in nodes]  # a node's relay connection counts into the same one
+    return {"requests": sum(c.requests for c in counts), "bytes": sum(c.bytes_sent + c.bytes_received for c in counts)}
+
+
+# -- a member process: the old all-to-all protocol (baseline) -------------------------------------
+def run_old_members(args) -> None:
+    from peerstate.tools.simulation import SimulatedChannel, served_by
+
+    world = args.nnodes * NPROC
+    served = served_by(world, NPROC, 1)
+    ranks = list(range(args.first, args.last))
+    threads = 16
+    with ThreadPoolExecutor(threads) as pool:
+        stores = list(pool.map(lambda _: _store(args.store), range(threads)))
+    reports = {r: SimulatedChannel(r // NPROC, NPROC, served, 100).report(r, f"n{r // NPROC}.{r % NPROC}").encode()
+               for r in ranks}
+    names = [f"epoch/1/report/{r}" for r in range(world)]
+    done: List[float] = []
+    lock = threading.Lock()
+    stores[0].add("sim/ready", 1)
+
+    def member_thread(index: int) -> None:
+        kv = stores[index]
+        mine = ranks[index::threads]
+        for rank in mine:  # the watcher sees the plan; the member publishes its report
+            kv.wait(["epoch/1/plan"], timeout=300.0)
+            kv.get_many(["epoch/1/plan"])
+            kv.set(f"epoch/1/report/{rank}", reports[rank])
+        for rank in mine:  # then waits for and reads every member's report
+            kv.wait(names, timeout=300.0)
+            kv.get_many(names)
+        with lock:
+            done.append(time.time())
+
+    workers = [threading.Thread(target=member_thread, args=(i,)) for i in range(threads)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    total = {"requests": sum(s.count.requests for s in stores),
+             "bytes": sum(s.count.bytes_sent + s.count.bytes_received for s in stores)}
+    stores[0].set(f"sim/result/{args.index}", json.dumps({"last_delivery": max(done), **total}).encode())
+
+
+# -- the orchestrator ------------------------------------------------------------------------------
+def _spawn(mode: str, store: str, nnodes: int, bounds: List[int]) -> List[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, __file__, "--member", mode, "--store", store, "--nnodes", str(nnodes),
+                              "--first", str(a), "--last", str(b), "--index", str(i),
+                              "--processes", str(len(bounds) - 1)])
+            for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+
+def _collect(kv, processes: List[subprocess.Popen], timeout: float) -> List[dict]:
+    names = [f"sim/result/{i}" for i in range(len(processes))]
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kv.wait(names, timeout=1.0)
+            break
+        except TimeoutError:
+            failed = [p.returncode for p in processes if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in processes:
+                    p.kill()
+                raise RuntimeError(f"simulated members failed ({failed}) or timed out")
+    for p in processes:
+        p.wait(timeout=60)
+    return [json.loads(raw) for raw in kv.get_many(names)]
+
+
+def _wait_ready(kv, count: int, processes: List[subprocess.Popen], timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while kv.add("sim/ready", 0) < count:
+        if any(p.poll() not in (None, 0) for p in processes) or time.monotonic() > deadline:
+            for p in processes:
+                p.kill()
+            raise RuntimeError("simulated members did not start")
+        time.sleep(0.05)
+
+
+def measure_ours(nnodes: int, processes: int) -> dict:
+    from peerstate.control.coordinator import Coordinator
+
+    kv = _store("127.0.0.1:0", host_store=True)
+    address = f"127.0.0.1:{kv.port}"
+    bounds = [nnodes * i // processes for i in range(processes + 1)]
+    members = _spawn("agents", address, nnodes, bounds)
+    _wait_ready(kv, processes, members)
+    victim = nnodes // 2
+    reporter = Coordinator(_store(address))  # the victim node's agent, which reaped the worker
+    before = reporter.kv.count.requests, reporter.kv.count.bytes_sent + reporter.kv.count.bytes_received
+    failed_at = time.time()
+    reporter.report_failure([f"n{victim}.0"], "simulated kill", detected_at=failed_at, me=f"agent{victim}")
+    reporter_done = time.time()
+    results = _collect(kv, members, 600.0)
+    problems = [f for r in results for f in r["failures"]]
+    if problems:
+        raise RuntimeError(f"the simulated recovery failed: {problems[:3]}")
+    requests = sum(r["requests"] for r in results) + reporter.kv.count.requests - before[0]
+    store_bytes = sum(r["bytes"] for r in results) + (reporter.kv.count.bytes_sent +
+                                                      reporter.kv.count.bytes_received - before[1])
+    per_tick = sum(r["requests_per_tick"] for r in results) / len(results)
+    times = next(r["writer_times"] for r in results if r["writer_times"])
+    phases = {"plan written": reporter_done - failed_at,
+              **{f"writer {k}": v - failed_at for k, v in times.items()},
+              "first node holds its instructions": min(r["first_delivery"] for r in results) - failed_at}
+    print("   " + ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()), flush=True)
+    return {"seconds": max(r["last_delivery"] for r in results) - failed_at, "requests": requests,
+            "bytes": store_bytes, "compute_s": max(r["compute_s"] for r in results), "phases": phases,
+            "steady_per_node_s": per_tick / WATCH_SECONDS + 1 / RELAY_WAIT_SECONDS}
+
+
+def measure_baseline(nnodes: int, processes: int) -> dict:
+    kv = _store("127.0.0.1:0", host_store=True)
+    address = f"127.0.0.1:{kv.port}"
+    world = nnodes * NPROC
+    bounds = [world * i // processes for i in range(processes + 1)]
+    members = _spawn("old", address, nnodes, bounds)
+    _wait_ready(kv, processes, members)
+    plan = json.dumps({"epoch": 1, "members": {r: f"n{r // NPROC}.{r % NPROC}" for r in range(world)},
+                       "replaced": {nnodes // 2 * NPROC: f"n{nnodes // 2}.{NPROC}"},
+                       "failed": [nnodes // 2 * NPROC], "reason": "simulated kill", "detected_at": 0.0,
+                       "planned_at": 0.0}).encode()
+    failed_at = time.time()
+    kv.set("epoch/1/plan", plan)
+    results = _collect(kv, members, 3600.0)
+    # Steady state: one old lease check (every other node's lease, dead and done) by one agent, and its other
+    # calls of a tick, on the real store; every agent makes the same.
+    before = kv.count.requests
+    others = [n for n in range(nnodes) if n != 0]
+    kv.add("node/0/lease", 1)
+    kv.get("job/failed")
+    kv.add("job/finished", 0)
+    kv.get_many([f"node/{n}/{what}" for n in others for what in ("lease", "dead", "done")])
+    per_tick = kv.count.requests - before
+    return {"seconds": max(r["last_delivery"] for r in results) - failed_at,
+            "requests": sum(r["requests"] for r in results) + 1,
+            "bytes": sum(r["bytes"] for r in results) + len(plan),
+            "steady_per_node_s": per_tick / WATCH_SECONDS + NPROC / OLD_WATCHER_SECONDS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="sizes up to 4,096 ranks, the baseline up to 1,024")
+    parser.add_argument("--sizes", default=None, help="comma-separated rank counts (multiples of 8)")
+    parser.add_argument("--baseline-max", type=int, default=None, help="largest size the baseline runs at")
+    parser.add_argument("--processes", type=int, default=16,
+                        help="processes the simulated agents share (fewer agents per interpreter lock)")
+    parser.add_argument("--member", choices=("agents", "old"), help=argparse.SUPPRESS)
+    parser.add_argument("--store", help=argparse.SUPPRESS)
+    parser.add_argument("--nnodes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--first", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--last", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.member == "agents":
+        return run_agents(args)
+    if args.member == "old":
+        return run_old_members(args)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
+        [256, 1024, 4096] if args.quick else [256, 1024, 4096, 16384])
+    baseline_max = args.baseline_max or (1024 if args.quick else 4096)
+    rows = []
+    print(f"{'ranks':>6} {'nodes':>5} {'ours_s':>8} {'baseline_s':>10} {'speedup':>8} {'req/rank':>8} "
+          f"{'store_MB':>8} {'base_req/rank':>13} {'base_MB':>8} {'steady/node/s':>13} {'base_steady/node/s':>18}",
+          flush=True)
+    for ranks in sizes:
+        nnodes = ranks // NPROC
+        ours = measure_ours(nnodes, args.processes)
+        base = measure_baseline(nnodes, args.processes) if ranks <= baseline_max else None
+        row = {"ranks": ranks, "nodes": nnodes, "ours_s": round(ours["seconds"], 4),
+               "plan_compute_s": round(ours["compute_s"], 4),
+               "phases_s": {k: round(v, 4) for k, v in ours["phases"].items()},
+               "baseline_s": round(base["seconds"], 4) if base else None,
+               "speedup": round(base["seconds"] / ours["seconds"], 1) if base else None,
+               "store_requests": ours["requests"], "store_requests_per_rank": round(ours["requests"] / ranks, 2),
+               "store_bytes": ours["bytes"],
+               "baseline_store_requests": base["requests"] if base else None,
+               "baseline_store_bytes": base["bytes"] if base else None,
+               "steady_requests_per_s": round(ours["steady_per_node_s"] * nnodes, 1),
+               "steady_requests_per_node_s": round(ours["steady_per_node_s"], 2),
+               "baseline_steady_requests_per_s": round(_baseline_steady(base, nnodes), 1) if base else None,
+               "baseline_steady_requests_per_node_s": round(base["steady_per_node_s"], 2) if base else None}
+        row["processes"] = args.processes
+        rows.append(row)
+        _save(rows, args)
+        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+        print(f"{ranks:>6} {nnodes:>5} {row['ours_s']:>8.3f} {fmt(row['baseline_s'], '>10.3f')} "
+              f"{fmt(row['speedup'], '>8.1f')} {row['store_requests_per_rank']:>8.2f} "
+              f"{ours['bytes'] / 1e6:>8.2f} {fmt(base and base['requests'] / ranks, '>13.1f')} "
+              f"{fmt(base and base['bytes'] / 1e6, '>8.1f')} {row['steady_requests_per_node_s']:>13.1f} "
+              f"{fmt(row['baseline_steady_requests_per_node_s'], '>18.1f')}", flush=True)
+    print(f"wrote {RESULTS}")
+
+
+def _save(rows: List[dict], args) -> None:
+    """Write the rows measured so far, kept beside those of other sizes from earlier runs
+    (each row names the command that measured it)."""
+    command = " ".join(["python", "bench/scale.py", *sys.argv[1:]])
+    kept = []
+    if RESULTS.exists():
+        kept = [r for r in json.loads(RESULTS.read_text())["rows"] if r["ranks"] not in {n["ranks"] for n in rows}]
+    for row in rows:
+        row.setdefault("command", command)
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"ranks_per_node": NPROC, "rows": sorted(kept + rows, key=lambda r: r["ranks"])},
+                                  indent=1))
+
+
+def _baseline_steady(base: dict, nnodes: int) -> float:
+    return base["steady_per_node_s"] * nnodes
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    main()

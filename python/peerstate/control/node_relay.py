@@ -1,0 +1,167 @@
+"""A node's part of every epoch, run by its agent: the only path between the
+node's workers and the job's store in the recovery protocol.
+
+For each epoch, in order:
+1. wait for the epoch's plan in the job's store and copy it into the node
+   channel (the workers' watchers wait there, and abort at once);
+2. gather the reports of the node's members from the channel and publish
+   them as one ``NodeReport``;
+3. if this agent owns the epoch, write every node's instructions
+   (``InstructionWriter``); if the owner's node is declared lost first, take
+   the epoch over and write them;
+4. read this node's ``NodeInstructions`` once and put them in the channel as
+   they are: each member expands its own part (``planning.expand``, with the
+   reports of its node's members, which are in the channel already).
+
+Per node and epoch that is a handful of requests to the job's store whatever
+the job's size; the members' own traffic stays on the node. Every wait also
+looks for a newer epoch, which makes the current one moot (its members have
+moved on to it too).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+from peerstate.control import keys
+from peerstate.control.coordinator import Coordinator
+from peerstate.control.kvstore import KeyValueStore
+from peerstate.control.messages import NodeReport, RecoveryPlan
+from peerstate.control.plan_writer import InstructionWriter
+from peerstate.control.planning import node_of_worker
+from peerstate.errors import JobFailedError
+
+POLL_SECONDS = 0.25  # how often a wait on the node's members looks for a newer epoch
+# How often a node waiting for its instructions looks for a newer epoch or a lost owner: an
+# owner is declared lost a lease timeout (seconds) after it stops, so looking more often buys
+# nothing and costs every node requests while a large job's instructions are computed.
+TAKEOVER_POLL_SECONDS = 1.0
+
+
+class NodeRelay:
+    """Runs steps 1-4 for node ``node`` (``run`` until ``stop`` is set).
+
+    ``kv``: the job's store (a connection of its own: it blocks in waits);
+    ``channel``: the node channel its workers use. ``report_timeout``: how long
+    the node's members may take to report (then ``on_failure`` is told which did
+    not, and the relay moves on to the next epoch, which that failure starts).
+    ``on_fenced()``: this node was declared lost while its agent lives (checked
+    once per epoch); the relay stops.
+    """
+
+    def __init__(self, kv: KeyValueStore, channel: KeyValueStore, coordinator: Coordinator, writer: InstructionWriter,
+                 node: int, me: str, report_timeout: float, on_failure: Callable[[str], None],
+                 on_fenced: Callable[[], None]) -> None:
+        self._kv = kv
+        self._channel = channel
+        self._coordinator = coordinator
+        self._writer = writer
+        self.node = node
+        self._me = me
+        self.report_timeout = report_timeout
+        self._on_failure = on_failure
+        self._on_fenced = on_fenced
+        self._mirrored = -1  # the newest plan copied into the channel
+        self._stopping = threading.Event()  # run()'s stop
+        self._local: Optional[Dict[int, str]] = None  # rank -> worker of this node's members, as of the last plan
+        self._fenced = False  # some of this node's ranks went to other nodes in the last plan
+        self.delivered: Optional[tuple] = None  # (epoch, time.time()) of the last instructions handed out
+
+    def run(self, stop: threading.Event) -> None:
+        """Relay epochs until ``stop``; a JobFailedError (an owner that neither wrote
+        nor was declared lost) goes to ``on_failure``, and so does a lost store."""
+        self._stopping = stop
+        try:
+            while not stop.is_set():
+                plan = self._next_plan(stop)
+                if plan is not None:
+                    self.relay(plan)
+        except JobFailedError as error:
+            self._on_failure(str(error))
+        except Exception as error:  # noqa: BLE001 - the store went away
+            if not stop.is_set():
+                self._on_failure(f"node {self.node} could not relay the recovery protocol: {error}")
+
+    def _next_plan(self, stop: threading.Event) -> Optional[RecoveryPlan]:
+        """The newest plan once there is one newer than the last relayed, each plan
+        in between copied into the channel first (watchers wait on them in order)."""
+        try:
+            self._kv.wait([keys.epoch_plan(self._mirrored + 1)], timeout=1.0)
+        except TimeoutError:
+            return None
+        plans = self._coordinator.new_plans(known=self._mirrored + 1)
+        if not plans:
+            return None
+        if self._local is None:
+            nproc = self._coordinator.shape()["nproc_per_node"]
+            self._local = {self.node * nproc + k: f"n{self.node}.{k}" for k in range(nproc)}
+        self._fenced = False
+        for plan in plans:  # O(changes): a node never scans the whole membership
+            for rank, worker in plan.replaced.items():
+                if node_of_worker(worker) == self.node:
+                    self._local[rank] = worker
+                elif self._local.pop(rank, None) is not None:
+                    self._fenced = True
+        self._channel.set_many([(keys.epoch_plan(p.epoch), p.encode()) for p in plans])
+        self._mirrored = plans[-1].epoch
+        return plans[-1] if not stop.is_set() else None
+
+    def _newer(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` is moot: a newer one began, or the relay is stopping."""
+        return self._stopping.is_set() or self._kv.get(keys.epoch_plan(epoch + 1)) is not None
+
+    def relay(self, plan: RecoveryPlan) -> bool:
+        """Steps 2-4 for ``plan``'s epoch, the newest one ``_next_plan`` returned; False
+        when a newer epoch made it moot."""
+        epoch = plan.epoch
+        if self._fenced and self._coordinator.node_dead(self.node):
+            self._on_fenced()  # this node's ranks went elsewhere because it was declared lost
+            return False
+        local = sorted(self._local)
+        encoded: List[bytes] = []
+        if local:
+            encoded = self._gather(epoch, local)
+            if encoded is None:
+                return False
+            self._kv.set(keys.node_report(epoch, self.node), NodeReport.join(self.node, encoded))
+        if plan.writer == self._me:  # the owner, unless it was lost since (then see wait_or_take_over)
+            if not self._writer.write(plan, lambda: self._newer(epoch)):
+                return False
+        if not local:
+            return True
+        key = keys.node_instructions(epoch, self.node)
+        moot: List[bool] = []
+
+        def newer() -> bool:
+            if self._newer(epoch):
+                moot.append(True)
+            return bool(moot)
+
+        while self._coordinator.wait_or_take_over(epoch, key, self._me, self.report_timeout * 2,
+                                                  "restore instructions", newer=newer, poll=TAKEOVER_POLL_SECONDS):
+            if not self._writer.write(plan, newer):  # the owner's node was lost: the epoch is ours now
+                return False
+        if moot:
+            return False
+        # Handed over as read: each member expands its own part (planning.expand) in its own process.
+        self._channel.set_many([(keys.member_instructions(epoch, self.node), self._kv.get_existing([key])[0])])
+        self.delivered = (epoch, time.time())
+        return True
+
+    def _gather(self, epoch: int, ranks: List[int]) -> Optional[List[bytes]]:
+        """The members' reports as they wrote them (None once moot, or past the deadline)."""
+        names = [keys.member_report(epoch, r) for r in ranks]
+        deadline = time.monotonic() + self.report_timeout
+        while True:
+            try:
+                self._channel.wait(names, timeout=POLL_SECONDS)
+                return self._channel.get_existing(names)
+            except TimeoutError:
+                if self._newer(epoch):
+                    return None
+                if time.monotonic() > deadline:
+                    missing = [r for r, raw in zip(ranks, self._channel.get_many(names)) if raw is None]
+                    self._on_failure(f"ranks {missing} did not join epoch {epoch} within {self.report_timeout:.0f}s")
+                    return None
