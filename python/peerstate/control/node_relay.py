@@ -67,7 +67,6 @@ class NodeRelay:
         self._stopping = threading.Event()  # run()'s stop
         self._local: Optional[Dict[int, str]] = None  # rank -> worker of this node's members, as of the last plan
         self._fenced = False  # some of this node's ranks went to other nodes in the last plan
-        self.delivered: Optional[tuple] = None  # (epoch, time.time()) of the last instructions handed out
 
     def run(self, stop: threading.Event) -> None:
         """Relay epochs until ``stop``; a JobFailedError (an owner that neither wrote
@@ -147,7 +146,6 @@ class NodeRelay:
             return False
         # Handed over as read: each member expands its own part (planning.expand) in its own process.
         self._channel.set_many([(keys.member_instructions(epoch, self.node), self._kv.get_existing([key])[0])])
-        self.delivered = (epoch, time.time())
         return True
 
     def _gather(self, epoch: int, ranks: List[int]) -> Optional[List[bytes]]:
