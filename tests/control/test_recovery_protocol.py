@@ -121,8 +121,7 @@ def test_a_plan_writer_killed_after_gathering_is_replaced_by_a_newer_epoch(store
             for node in nodes.values():
                 for lost, _ in node.leases.check(now):
                     declared.append((node.node, lost))
-                    plan = node.coordinator.latest_plan()
-                    workers = [w for w in plan.members.values() if w.startswith(f"n{lost}.")]
+                    workers = node.coordinator.workers_on(lost)
                     threading.Thread(target=Coordinator(TorchKeyValueStore("127.0.0.1", kv.port)).report_failure,
                                      args=(workers, "node lost"), kwargs=dict(detected_at=time.time(),
                                                                               me=f"agent{node.node}")).start()

@@ -139,6 +139,10 @@ class Coordinator:
         self.kv.append(keys.DEAD_NODES, f"{node},".encode())
         return True
 
+    def workers_on(self, node: int) -> List[str]:
+        """The members of the newest plan that run on ``node`` (what its loss fails)."""
+        return [w for w in self.latest_plan().members.values() if node_of_worker(w) == node]
+
     def node_dead(self, node: Optional[int]) -> bool:
         return node is not None and bool(self.kv.get(keys.node_dead(node)))
 

@@ -36,7 +36,6 @@ from peerstate.control.environment import WorkerEnvironment, job_secret
 from peerstate.control.kvstore import TorchKeyValueStore
 from peerstate.control.node_relay import NodeRelay
 from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
-from peerstate.control.planning import node_of_worker
 from peerstate.control.progress import ProgressCounter
 from peerstate.control.timeline import EventLog
 from peerstate.errors import InvalidArgumentError, JobFailedError
@@ -184,12 +183,12 @@ class Agent:
 
     def _fence(self, nodes: List[int], reason: str) -> None:
         """Nodes that did not report in time: declared lost (their agents stop their
-        workers when they see it) and their ranks handed to spares."""
-        plan = self.coordinator.latest_plan()
+        workers when they see it) and their ranks handed to spares. Runs on the relay's
+        thread: its own connection, not the watch loop's."""
+        coordinator = Coordinator(self.kv.clone())
         for node in nodes:
-            if Coordinator(self.kv.clone()).declare_node_dead(node, self.name):
-                workers = [w for w in plan.members.values() if node_of_worker(w) == node]
-                self._report(workers, f"{reason}: node {node} is declared lost", time.time())
+            if coordinator.declare_node_dead(node, self.name):
+                self._report(coordinator.workers_on(node), f"{reason}: node {node} is declared lost", time.time())
 
     def _fenced(self) -> None:
         """This node was declared lost while it lives (a lease or a report came too
@@ -379,9 +378,7 @@ class Agent:
     def _check_leases(self, now: float) -> None:
         """Declare the nodes of this agent's ring window whose lease stopped (see ``LeaseWatch``)."""
         for node, still in self.leases.check(now):
-            plan = self.coordinator.latest_plan()
-            workers = [w for w in plan.members.values() if node_of_worker(w) == node]
-            self._report(workers, f"node {node} lost: its lease expired {still:.1f}s ago",
+            self._report(self.coordinator.workers_on(node), f"node {node} lost: its lease expired {still:.1f}s ago",
                          time.time() - (still - self.config.lease_timeout))
 
     def _refill(self) -> None:

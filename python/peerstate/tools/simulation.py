@@ -152,11 +152,10 @@ class SimulatedNode:
 
     def fence(self, nodes: List[int], reason: str) -> None:
         """``InstructionWriter``'s late-node handler, as the agent's ``_fence``."""
-        plan = self.coordinator.latest_plan()
+        coordinator = Coordinator(self.relay_kv)  # on the relay's thread, as in the agent
         for node in nodes:
-            if self.coordinator.declare_node_dead(node, self.name):
-                workers = [w for w in plan.members.values() if node_of_worker(w) == node]
-                self.coordinator.report_failure(workers, reason, detected_at=time.time(), me=self.name)
+            if coordinator.declare_node_dead(node, self.name):
+                coordinator.report_failure(coordinator.workers_on(node), reason, detected_at=time.time(), me=self.name)
 
     def _on_fenced(self) -> None:
         self.fenced = True
