@@ -19,7 +19,7 @@ from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.messages import MemberReport, NodeInstructions, NodeReport, RecoveryPlan, StateLayout
-from peerstate.control.planning import node_of_worker, plan_nodes
+from peerstate.control.planning import lost_without_checkpoint, node_of_worker, plan_nodes
 from peerstate.control.timeline import EventLog
 from peerstate.errors import JobFailedError
 from peerstate.replication.placement import BuddyPlacement, DataParallelShares
@@ -117,7 +117,7 @@ class InstructionWriter:
 
     def _note_loss(self, plan: RecoveryPlan, reports: Dict[int, MemberReport], orders: NodeInstructions) -> None:
         if orders.outcome == "lost":
-            reason = f"{orders.message}. No disk checkpoint is configured (--checkpoint-dir), so the job stops."
+            reason = lost_without_checkpoint(orders.message)
             self._coordinator.fail_job(reason)
             if self._events is not None:
                 held = {r: {"local": m.local, "replicas": m.replicas, "needs_state": m.needs_state}

@@ -88,12 +88,17 @@ def share_sources(share: int, version: int, reports: Mapping[int, MemberReport],
 def same_node_regions(worker: str, version: int, sources: List[int],
                       reports: Mapping[int, MemberReport]) -> Dict[int, Tuple[int, int]]:
     """source -> (pid, address of ``version``'s data-parallel region) for the sources
-    on ``worker``'s node (``reports`` may hold that node's members only): a member pulling a data-parallel share reads those straight
-    from their memory."""
+    on ``worker``'s node (``reports`` may hold that node's members only): a member
+    pulling a data-parallel share reads those straight from their memory."""
     node = node_of_worker(worker)
     return {s: (reports[s].pid, reports[s].shared_regions[version]) for s in sources
             if s in reports and node_of_worker(reports[s].worker) == node and reports[s].pid
             and reports[s].shared_regions.get(version)}
+
+
+def lost_without_checkpoint(message: str) -> str:
+    """Why the job stops when ``message``'s state has no copy and there is no checkpoint."""
+    return f"{message}. No disk checkpoint is configured (--checkpoint-dir), so the job stops."
 
 
 def describe_loss(lost: Mapping[int, str], failed: Sequence[int]) -> str:

@@ -13,7 +13,7 @@ from peerstate.control.coordinator import Coordinator
 from peerstate.control.kvstore import KeyValueStore, TorchKeyValueStore
 from peerstate.control.messages import (MemberInstructions, MemberReport, NodeInstructions, RecoveryPlan, RestorePlan,
                                         RestoreSource, StateLayout)
-from peerstate.control.planning import expand, node_of_worker
+from peerstate.control.planning import expand, lost_without_checkpoint, node_of_worker
 from peerstate.control.timeline import EventLog
 from peerstate.errors import AbortedError, JobFailedError, StateLostError
 from peerstate.replication.endpoint import Replication
@@ -171,7 +171,7 @@ class EpochJoiner:
         """Act on this member's restore plan: a loss (the plan writer already stopped
         the job) raises; a checkpoint fallback is said; otherwise newer replicas go."""
         if restore.source is RestoreSource.LOST:
-            reason = f"{restore.message}. No disk checkpoint is configured (--checkpoint-dir), so the job stops."
+            reason = lost_without_checkpoint(restore.message)
             self.coordinator.fail_job(reason)
             raise StateLostError(reason)
         if restore.source is RestoreSource.CHECKPOINT:
