@@ -6,9 +6,11 @@ layout: 8 shares, a buddy on the next node), in the same run:
 - ours: N/8 simulated agents (``peerstate.tools.simulation``) run the real
   NodeRelay / InstructionWriter / Coordinator code over one real TCPStore,
   each with its own connections, multiplexed on threads in ``--processes``
-  processes (16: an interpreter lock shared by a thousand simulated agents
-  made 16,384 ranks 10 s with 2 processes, 5.7 s with 4, 3.4 s with 16, on
-  the same 2 cores). One rank is failed: its node's agent writes the plan (as the
+  processes, by default one per 128 nodes, 2 to 16 (on these 2 cores one
+  interpreter lock shared by a thousand simulated agents made 16,384 ranks
+  10 s with 2 processes, 5.7 s with 4, 3.4 s with 16; at 1,024 ranks 16
+  processes made both protocols slower than 2 did). The baseline runs in as
+  many processes as ours. One rank is failed: its node's agent writes the plan (as the
   agent that reaped the worker does), every node reports once, the plan
   writer computes every rank's instructions and writes one entry per node,
   every agent hands its members theirs. Measured: failure reported -> the
@@ -78,7 +80,10 @@ def run_agents(args) -> None:
     for node in nodes:
         node.start()
     for node in nodes:
-        node.channel.wait_delivered(0, 300.0)
+        try:
+            node.channel.wait_delivered(0, 300.0)
+        except TimeoutError as error:
+            raise RuntimeError(f"{error}; this process's relays said: {[f for n in nodes for f in n.failures][:3]}")
     before, before_at = _counts(nodes), time.time()
     kv.add("sim/ready", 1)
     delivered = [node.channel.wait_delivered(1, 300.0) for node in nodes]
@@ -249,8 +254,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="sizes up to 4,096 ranks, the baseline up to 1,024")
     parser.add_argument("--sizes", default=None, help="comma-separated rank counts (multiples of 8)")
     parser.add_argument("--baseline-max", type=int, default=None, help="largest size the baseline runs at")
-    parser.add_argument("--processes", type=int, default=16,
-                        help="processes the simulated agents share (fewer agents per interpreter lock)")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="processes the simulated agents share (default: one per 128 nodes, 2 to 16)")
     parser.add_argument("--member", choices=("agents", "old"), help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--nnodes", type=int, help=argparse.SUPPRESS)
@@ -271,8 +276,9 @@ def main() -> None:
           flush=True)
     for ranks in sizes:
         nnodes = ranks // NPROC
-        ours = measure_ours(nnodes, args.processes)
-        base = measure_baseline(nnodes, args.processes) if ranks <= baseline_max else None
+        processes = args.processes or min(16, max(2, nnodes // 128))
+        ours = measure_ours(nnodes, processes)
+        base = measure_baseline(nnodes, processes) if ranks <= baseline_max else None
         row = {"ranks": ranks, "nodes": nnodes, "ours_s": round(ours["seconds"], 4),
                "plan_compute_s": round(ours["compute_s"], 4),
                "phases_s": {k: round(v, 4) for k, v in ours["phases"].items()},
@@ -286,7 +292,7 @@ def main() -> None:
                "steady_requests_per_node_s": round(ours["steady_per_node_s"], 2),
                "baseline_steady_requests_per_s": round(_baseline_steady(base, nnodes), 1) if base else None,
                "baseline_steady_requests_per_node_s": round(base["steady_per_node_s"], 2) if base else None}
-        row["processes"] = args.processes
+        row["processes"] = processes
         rows.append(row)
         _save(rows, args)
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731

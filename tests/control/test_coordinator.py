@@ -146,6 +146,18 @@ def test_a_silent_plan_writer_on_a_live_node_is_a_clear_error(kv):
     assert kv.get("epoch/1/owner") == b"agent1" and kv.get("epoch/1/plan") is None
 
 
+def test_waiting_for_an_owner_looks_for_its_loss_once_per_poll(kv):
+    # Every node of a large job waits so while the plan writer computes: the poll sets its store load.
+    Coordinator(kv).kv.set("config", b'{"nnodes": 2, "nproc_per_node": 2, "world_size": 4}')
+    kv.compare_set("epoch/1/owner", b"", b"agent1")
+    waiter = Coordinator(kv.clone())
+    before = kv.count.requests
+    with pytest.raises(JobFailedError, match="agent1 began epoch 1's restore instructions"):
+        waiter.wait_or_take_over(1, "epoch/1/orders/0", "agent0", 2.0, "restore instructions", poll=1.0)
+    cycles = kv.count.requests - before  # a wait, the owner (two requests) and its node's flag per poll
+    assert 8 <= cycles <= 4 * 3, cycles  # two or three polls in 2 s, not eight
+
+
 def test_a_spare_named_by_a_plan_learns_its_rank_even_if_the_writer_died(kv):
     c = coordinator(kv)
     plan = RecoveryPlan(1, {**MEMBERS, 2: "n1.2"}, {2: "n1.2"}, [2], "killed", 1.0, 2.0)

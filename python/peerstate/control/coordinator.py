@@ -188,12 +188,14 @@ class Coordinator:
         """Wait for epoch ``epoch``'s owner to write ``done_key``: False once it is
         written (or once ``newer()`` says a newer epoch made it moot), True once this
         caller took the epoch over from an owner whose node was declared dead.
-        JobFailedError when the owner neither writes nor is declared dead in ``timeout``."""
+        ``poll``: how often it looks for a newer epoch or a lost owner (three
+        requests each time). JobFailedError when the owner neither writes nor is
+        declared dead in ``timeout``."""
         key = keys.epoch_owner(epoch)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.kv.wait([done_key], timeout=0.25)
+                self.kv.wait([done_key], timeout=poll)
                 return False
             except TimeoutError:
                 pass

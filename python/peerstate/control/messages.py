@@ -5,6 +5,7 @@ back to the same typed object."""
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -67,13 +68,17 @@ class MemberReport:
 
     @classmethod
     def from_dict(cls, data: dict) -> "MemberReport":
-        data = dict(data)
-        data["replicas"] = {int(s): list(v) for s, v in data["replicas"].items()}
+        """From a decoded ``encode()``, which it takes over (the plan writer decodes
+        every member's report of a recovery: no copies, no per-field checks)."""
+        data["replicas"] = {int(s): v for s, v in data["replicas"].items()}
         data["shared_regions"] = {int(v): a for v, a in data.get("shared_regions", {}).items()}
         data["address"] = tuple(data["address"])
         data["checkpoint"] = tuple(data["checkpoint"]) if data.get("checkpoint") else None
-        data["layout"] = StateLayout(**data["layout"]) if data.get("layout") else None
-        return cls(**data)
+        layout = data.get("layout")
+        data["layout"] = _layout(layout["k"], layout["share_count"], layout["data_parallel"]) if layout else None
+        report = cls.__new__(cls)
+        report.__dict__.update(data)
+        return report
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,11 @@ class StateLayout:
     k: int = 1
     share_count: int = 1
     data_parallel: bool = False
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(k: int, share_count: int, data_parallel: bool) -> StateLayout:
+    return StateLayout(k, share_count, data_parallel)  # one object per layout, not one per member
 
 
 @dataclass
