@@ -80,6 +80,13 @@ def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
     assert all(v is not None and v >= 0 for v in recovery["phases_s"].values())
     [end] = job.events("job_end")
     assert end["steps"] == STEPS and 0 < end["goodput"] <= 1
+    # torchrun's environment: the spare (slot 2 of node 0) has a provisional LOCAL_RANK and no
+    # RANK before track(), rank 2's after; every process gets OMP_NUM_THREADS=1.
+    spare_log = (job.logs / "n0.2.log").read_text()
+    assert "environment before track: PEERSTATE_ROLE=spare RANK=- LOCAL_RANK=0 OMP_NUM_THREADS=1" in spare_log
+    assert "environment after track: PEERSTATE_ROLE=spare RANK=2 LOCAL_RANK=0 OMP_NUM_THREADS=1" in spare_log
+    assert "environment before track: PEERSTATE_ROLE=worker RANK=3 LOCAL_RANK=1 OMP_NUM_THREADS=1" in \
+        (job.logs / "n1.1.log").read_text()
     pulled = {p["rank"]: p for p in job.events("pulled")}
     if script_args == ["--data-parallel"]:
         # Two data-parallel shares (one per rank of a node; rank r holds share r % 2). The
@@ -93,7 +100,7 @@ def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
         assert pulled[1]["same_node_sources"] == [0], pulled
         assert pulled[1]["chunks_from_memory"] == pulled[1]["chunks"] > 0, pulled
         assert pulled[3]["same_node_sources"] == [] and pulled[3]["chunks_from_memory"] == 0, pulled
-    elif script_args:
+    elif "--data-parallel" in script_args:
         # A full copy on every rank: the survivors pull nothing; the spare (node 0) read
         # everything from ranks 0 and 1 on its node, not over TCP.
         assert list(pulled) == [2] and pulled[2]["shares"] == [0], pulled
@@ -149,7 +156,9 @@ def test_second_failure_during_a_recovery(run, reference, data_parallel):
 
 
 def test_hung_worker_is_detected_by_its_progress_counter(run, reference):
-    job = run()
+    # The survivors are aborted in backward's all-reduce, their gradients half made; this loop
+    # zeroes them after optimizer.step(), so the replayed step would add onto them were they kept.
+    job = run(script_args=["--zero-grad-after-step"])
     job.wait_for_step(3, 10)
     job.kill_rank(3, signal.SIGSTOP)
     assert job.wait() == [0, 0], job.describe()

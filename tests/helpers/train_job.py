@@ -29,6 +29,10 @@ parser.add_argument("--subgroups", action="store_true",
 parser.add_argument("--hold", default=None, metavar="RANK:STEP",
                     help="RANK sleeps at the start of STEP, in its first life only (a call no abort wakes)")
 parser.add_argument("--abort-timeout", type=float, default=30.0)
+parser.add_argument("--zero-grad-after-step", action="store_true",
+                    help="zero the gradients after optimizer.step() (a common loop) instead of before backward")
+parser.add_argument("--read-rank-early", action="store_true",
+                    help="read RANK between Job() and track(), which a hot spare does not have yet")
 parser.add_argument("--report-ports", action="store_true",
                     help="at the end, print how many TCP ports this process listens on at PEERSTATE_HOST")
 args = parser.parse_args()
@@ -39,6 +43,10 @@ torch.set_num_threads(1)
 job = peerstate.Job(join_timeout=60.0, failure_grace=20.0, abort_timeout=args.abort_timeout,
                     data_parallel_shares=args.data_parallel_shares)
 hold_rank, hold_step = map(int, args.hold.split(":")) if args.hold else (None, None)
+LAUNCH_VARIABLES = ("PEERSTATE_ROLE", "RANK", "LOCAL_RANK", "OMP_NUM_THREADS")
+print("environment before track:", " ".join(f"{v}={os.environ.get(v, '-')}" for v in LAUNCH_VARIABLES), flush=True)
+if args.read_rank_early:
+    int(os.environ["RANK"])
 if args.fsdp:
     job.wait_for_rank()  # fully_shard needs the process group: a spare builds its model once picked
 if args.subgroups:  # long timeouts: only an abort gets a blocked member out in time
@@ -91,6 +99,7 @@ if args.fsdp:
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
 job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=args.data_parallel)
+print("environment after track:", " ".join(f"{v}={os.environ.get(v, '-')}" for v in LAUNCH_VARIABLES), flush=True)
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
 ddp = model if args.fsdp else job.ddp(model)
 
@@ -106,11 +115,14 @@ for step in job.steps(args.steps):
         y = torch.randn(32, 4, generator=generator)
         noise = torch.randn(32, 4) * 0.01  # draws from the global RNG: its state must be restored too
         loss = F.mse_loss(ddp(x) + noise, y)
-        optimizer.zero_grad()
+        if not args.zero_grad_after_step:
+            optimizer.zero_grad()
         loss.backward()
         time.sleep(args.step_seconds)
         optimizer.step()
         scheduler.step()
+        if args.zero_grad_after_step:
+            optimizer.zero_grad()
     if args.trace:
         digest = sum(float((p.to_local() if args.fsdp else p).double().sum()) for p in model.parameters())
         print(f"rank {job.rank} step {step} params {digest!r} lr {optimizer.param_groups[0]['lr']!r}", flush=True)

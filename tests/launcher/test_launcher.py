@@ -34,7 +34,24 @@ def test_script_that_fails_at_import_stops_the_job(tmp_path):
         assert job.wait(timeout=60) == [1], job.describe()
         summary = job.agent_logs[0].read_text()
         assert "cannot go on" in summary and "fails at start-up" in summary, summary
+        assert "before it reached peerstate.Job(), in " in summary and "train_job.py --steps" in summary, summary
         assert "this script was told to fail at start-up" in summary, summary
+    finally:
+        job.close()
+
+
+def test_a_spare_whose_script_fails_before_track_stops_the_job_loudly(tmp_path):
+    # The workers have a RANK; a hot spare has none until track() gives it one, so this script's
+    # every spare fails. Respawning them would hide that no spare can ever take a rank.
+    job = Job(tmp_path, [(2, 1)], agent_args=FAST, script_args=["--read-rank-early", "--steps", "100000"])
+    try:
+        assert job.wait(timeout=90) == [1], job.describe()
+        summary = job.agent_logs[0].read_text()
+        assert summary.count("after peerstate.Job() and before it was ready to take a rank") == 3, summary
+        assert "start failure 1 of 3 in a row on node 0" in summary, summary
+        assert "The script fails on every hot spare before track() returns" in summary, summary
+        assert "KeyError: 'RANK'" in summary, summary
+        assert len(job.events("spare_started")) == 3, job.describe()
     finally:
         job.close()
 

@@ -2,9 +2,19 @@
 of each process it starts, written by ``to_env()`` in the agent and read back,
 validated, by ``from_env()`` in the worker.
 
-Besides peerstate's own variables a worker gets torchrun's (WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK, and RANK/LOCAL_RANK
-for an initial worker; a spare gets them once it is given a rank).
+Besides peerstate's own variables every process gets torchrun's: WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK, LOCAL_RANK, and RANK
+for an initial worker, plus OMP_NUM_THREADS=1 unless the user set it (as
+torchrun does for more than one process per node). What a script may rely on:
+
+- an initial worker: all of them, from the start, as under torchrun;
+- a hot spare, before ``track()`` returns: no RANK (it has none yet; reading it
+  is a KeyError, as it would be for any process without a rank) and a
+  *provisional* LOCAL_RANK, its slot modulo LOCAL_WORLD_SIZE, a device it may
+  build on ahead of time (``PEERSTATE_ROLE=spare`` says which it is);
+- a hot spare, after ``track()`` returns: RANK and LOCAL_RANK of the rank it took
+  (``job.rank``; LOCAL_RANK = RANK mod LOCAL_WORLD_SIZE), so a script on a GPU
+  node reads LOCAL_RANK again after ``track()`` before it picks its device.
 """
 
 from __future__ import annotations
@@ -93,6 +103,12 @@ class WorkerEnvironment:
     node_store: str = ""               # HOST:PORT of its agent's node channel (loopback)
 
     @property
+    def slot(self) -> int:
+        """Its index on its node (``n{node}.{slot}``): below nproc_per_node for an
+        initial worker, above for a spare."""
+        return int(self.worker.rsplit(".", 1)[1])
+
+    @property
     def store_host(self) -> str:
         return self.store.rsplit(":", 1)[0]
 
@@ -117,6 +133,8 @@ class WorkerEnvironment:
             env[SECRET_VARIABLE] = self.secret.hex()
         if self.rank is not None:
             env.update(RANK=str(self.rank), LOCAL_RANK=str(self.rank % self.nproc_per_node))
+        else:
+            env["LOCAL_RANK"] = str(self.slot % self.nproc_per_node)  # provisional (see the module docstring)
         if self.checkpoint_dir:
             env.update(PEERSTATE_CHECKPOINT_DIR=self.checkpoint_dir,
                        PEERSTATE_CHECKPOINT_EVERY=str(self.checkpoint_every))

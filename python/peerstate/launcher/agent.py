@@ -45,6 +45,7 @@ from peerstate.launcher.processes import WorkerProcess, describe_exit, die_with_
 
 POLL_SECONDS = 0.005
 WATCH_SECONDS = 0.1
+SPARE_START_ATTEMPTS = 3  # spares in a row whose script fails before they are ready: then the job stops
 
 
 @dataclass
@@ -108,6 +109,7 @@ class Agent:
                                       node=self.node)
         self._job_started: Optional[float] = None
         self._spares_wanted = 0
+        self._spare_start_failures = 0  # spares in a row whose script failed before they were ready
         self._dying: List[subprocess.Popen] = []  # failed workers whose exit has not completed yet
         self._fenced_reason: Optional[str] = None
         self._relay_stop: Optional[threading.Event] = None
@@ -216,6 +218,8 @@ class Agent:
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the watcher's timed-out waits are not news
         if config.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in env:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds where --host says, not the hostname's address
+        if config.nproc_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N processes of all-core OpenMP pools thrash
         env.update(config.extra_env)
         env.update(WorkerEnvironment(
             store=self.store_address, worker=worker, spare=rank is None, world_size=self.world_size,
@@ -311,18 +315,37 @@ class Agent:
         self.events.write("process_exited", worker=process.worker, rank=process.rank, code=code, how=how)
         if self._stopping or (code == 0 and process.rank is not None) or self.coordinator.failure():
             return  # a worker that stops because the job failed is not a new failure
+        ready = True
         if process.rank is None:
-            assigned = self.coordinator.spare_gone(process.worker)
+            ready = self.kv.get(keys.spare_state(process.worker)) is not None  # it reached track()'s wait
+            assigned = self.coordinator.spare_gone(process.worker) if ready else None
             if assigned is not None:
                 process.rank = assigned[1]  # its death is that rank's failure
         who = f"hot spare {process.worker}" if process.rank is None else f"rank {process.rank} ({process.worker})"
         if code > 0 and not process.ticked:
-            self._fail(f"{who} {how} before it reached peerstate.Job(): the script fails at start-up. Last lines "
-                       f"of {process.log}:\n{log_tail(process.log)}")
+            self._fail(f"{who} {how} before it reached peerstate.Job(), in {' '.join(self.config.script)}: the "
+                       f"script fails at start-up. Last lines of {process.log}:\n{log_tail(process.log)}")
             return
         if process.rank is None:
+            if code > 0 and not ready:
+                self._spare_failed_to_start(process, how)
             return  # a waiting spare died: the pool is refilled
         self._report([process.worker], f"rank {process.rank} ({process.worker}) {how}", detected_at)
+
+    def _spare_failed_to_start(self, process: WorkerProcess, how: str) -> None:
+        """A spare whose script failed between Job() and track()'s wait: said at once,
+        and after SPARE_START_ATTEMPTS in a row the job stops (respawning it would only
+        hide that no spare can ever take a rank)."""
+        self._spare_start_failures += 1
+        message = (f"hot spare {process.worker} {how} after peerstate.Job() and before it was ready to take a "
+                   f"rank (start failure {self._spare_start_failures} of {SPARE_START_ATTEMPTS} in a row on node "
+                   f"{self.node}). Last lines of {process.log}:\n{log_tail(process.log)}")
+        if self._spare_start_failures < SPARE_START_ATTEMPTS:
+            print(f"peerstate: {message}", file=sys.stderr, flush=True)
+            return
+        self._fail(f"{message}\nThe script fails on every hot spare before track() returns. A spare has no RANK "
+                   "until track() gives it one, and its LOCAL_RANK is provisional (README, 'What a script may rely "
+                   "on'): code before track() must not depend on the rank.")
 
     def _report(self, workers: List[str], reason: str, detected_at: float) -> None:
         """Write the recovery plan off the watch loop (waiting for a spare takes a while)."""
@@ -358,6 +381,8 @@ class Agent:
         states = self.kv.get_many([keys.spare_state(w) for w in waiting])
         for process, state in zip(waiting.values(), states):
             process.claimed = bool(state and state.startswith(b"assigned:"))
+            if state:
+                self._spare_start_failures = 0  # a spare of this script can get ready: the earlier ones were bad luck
         claimed = [w for w, p in waiting.items() if p.claimed]
         if claimed:
             for worker, rank in self.coordinator.assignments(claimed).items():

@@ -133,6 +133,18 @@ class TrackedState:
             if store.in_flight_version() == version:
                 store.wait()
             store.restore(version, verify=not pulled)
+        self.clear_gradients()
+
+    def clear_gradients(self) -> None:
+        """Set the gradient of every tracked parameter to None. The step after a restore
+        must not start from the aborted step's partial gradients: a loop that zeroes
+        them after ``optimizer.step()`` would add its replay onto them."""
+        model, optimizer = self.objects.get("model"), self.objects.get("optimizer")
+        parameters = list(model.parameters()) if model is not None else []
+        if optimizer is not None:
+            parameters += [p for group in optimizer.param_groups for p in group["params"]]
+        for parameter in parameters:
+            parameter.grad = None
 
     def checkpoint_state(self, rank: int) -> Dict[str, Any]:
         """What a disk checkpoint holds, keyed the same whatever the data-parallel
@@ -157,6 +169,7 @@ class TrackedState:
             part = "own" if store is self.own else "data_parallel"
             store.apply_objects(state[f"rank{rank}/{part}/objects"])
             store.drop_newer(step)
+        self.clear_gradients()
 
     def close(self) -> None:
         for store in (self.own, *self.share_stores):
