@@ -87,6 +87,7 @@ def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
     assert "environment after track: PEERSTATE_ROLE=spare RANK=2 LOCAL_RANK=0 OMP_NUM_THREADS=1" in spare_log
     assert "environment before track: PEERSTATE_ROLE=worker RANK=3 LOCAL_RANK=1 OMP_NUM_THREADS=1" in \
         (job.logs / "n1.1.log").read_text()
+    assert not job.events("rng_changed_after_restore")  # the replacement's script kept its restored RNG
     pulled = {p["rank"]: p for p in job.events("pulled")}
     if script_args == ["--data-parallel"]:
         # Two data-parallel shares (one per rank of a node; rank r holds share r % 2). The
@@ -108,6 +109,18 @@ def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
         assert pulled[2]["chunks_from_memory"] == pulled[2]["chunks"] > 0, pulled
     else:
         assert not pulled, pulled
+
+
+def test_a_seed_set_after_track_on_a_replacement_is_loud(run):
+    # track() restored the replacement's RNG; the script then re-seeded it, so the run cannot end
+    # bitwise equal to a fault-free one. Only the replacement says so: a fresh start restores nothing.
+    job = run(script_args=["--seed-after-track"])
+    job.wait_for_step(2, 10)
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    [warning] = job.events("rng_changed_after_restore")
+    assert warning["rank"] == 2, warning
+    assert "and they changed before its first step" in (job.logs / "n0.2.log").read_text()
 
 
 @pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])

@@ -31,6 +31,8 @@ parser.add_argument("--hold", default=None, metavar="RANK:STEP",
 parser.add_argument("--abort-timeout", type=float, default=30.0)
 parser.add_argument("--zero-grad-after-step", action="store_true",
                     help="zero the gradients after optimizer.step() (a common loop) instead of before backward")
+parser.add_argument("--seed-after-track", action="store_true",
+                    help="torch.manual_seed(rank) after track(), which overwrites a replacement's restored RNG")
 parser.add_argument("--read-rank-early", action="store_true",
                     help="read RANK between Job() and track(), which a hot spare does not have yet")
 parser.add_argument("--report-ports", action="store_true",
@@ -99,6 +101,8 @@ if args.fsdp:
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
 job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=args.data_parallel)
+if args.seed_after_track:
+    torch.manual_seed(job.rank)
 print("environment after track:", " ".join(f"{v}={os.environ.get(v, '-')}" for v in LAUNCH_VARIABLES), flush=True)
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
 ddp = model if args.fsdp else job.ddp(model)

@@ -48,7 +48,9 @@ from __future__ import annotations
 import atexit
 import json
 import os
-from typing import Any, Iterator, Mapping, Optional, Sequence
+import sys
+import warnings
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
@@ -231,9 +233,12 @@ class Job:
 
     def track(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, loader: Any = None,
               extras: Optional[Mapping[str, Any]] = None, data_parallel: bool = False) -> None:
-        """Say what the training state is. ``scheduler``, ``loader`` and each of
-        ``extras`` need ``state_dict()``/``load_state_dict()``; the RNG states of
-        Python, NumPy, torch and CUDA are always captured.
+        """Say what the training state is. ``scheduler`` and ``loader`` need
+        ``state_dict()``/``load_state_dict()``; the RNG states of Python, NumPy,
+        torch and CUDA are always captured. Each of ``extras`` is an object with
+        both methods (restored in place) or a plain picklable value (a best
+        validation loss, a counter): read and write those through ``job.extras``
+        (``job.extras["best_loss"] = loss``), which a restore sets back.
 
         Optimizer state appears at the first step, so a worker registers it at the
         first step boundary. A hot spare runs the script up to here ahead of time:
@@ -264,6 +269,12 @@ class Job:
         if self.restorer.pending is not None:
             self.restorer.restore_pending()
 
+    @property
+    def extras(self) -> Dict[str, Any]:
+        """The ``extras`` given to ``track()``, by name; a plain value is snapshotted
+        from here at each step boundary and set back here by a restore."""
+        return self.tracked.extras
+
     def steps(self, total: int) -> Iterator[int]:
         """Yield step numbers from where the job stands to ``total`` - 1, recovering
         between steps when a failure was caught by ``guard``."""
@@ -282,6 +293,15 @@ class Job:
 
     def guard(self) -> StepGuard:
         """Context manager for one step's body: a failure inside becomes a recovery."""
+        if self.tracked.rng_changed():
+            message = (f"peerstate: rank {self.rank} was restored to step {self.next_step - 1} inside track(), RNG "
+                       "states included, and they changed before its first step: a seed set (torch.manual_seed, "
+                       "random.seed, numpy.random.seed) or a random draw made after track() replaced them, so this "
+                       "resume is not bitwise. Seed before Job() and track(), or draw from a generator seeded by "
+                       "the step (README, 'What a training script must and must not do').")
+            print(message, file=sys.stderr, flush=True)
+            self.events.write("rng_changed_after_restore", rank=self.rank, step=self.next_step)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         self._guard = StepGuard(self.joiner, self.boundary, self.membership, self.events)
         return self._guard
 

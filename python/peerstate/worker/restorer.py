@@ -86,6 +86,7 @@ class Restorer:
         self._report.mark("restore")
         self.pending = None
         self._membership.restored()
+        self._tracked.remember_rng()  # a replacement's script runs on from track(): Job.guard checks it kept them
 
     def _pull_shares(self, version: int, pulls: Mapping[int, SharePull], replacement: bool) -> None:
         """Pull ``version`` of the data-parallel shares in ``pulls``, all at once, so that

@@ -4,6 +4,8 @@ and, with ``track(data_parallel=True)``, one store per data-parallel share."""
 
 from __future__ import annotations
 
+import functools
+import pickle
 from typing import Any, Callable, Container, Dict, List, Mapping, Optional, Tuple
 
 from peerstate.errors import InvalidArgumentError
@@ -30,13 +32,28 @@ class TrackedState:
         self.own = SnapshotStore(max_versions=versions, threads=threads)
         self.share_stores: List[SnapshotStore] = []
         self.objects: Dict[str, Any] = {}
+        # name -> an object with state_dict()/load_state_dict() (restored in place) or a plain
+        # picklable value (captured from here at each snapshot, written back here on restore)
+        self.extras: Dict[str, Any] = {}
+        self._restored_rng: Optional[Dict[str, bytes]] = None  # the RNG states a replacement's restore set
         self.data_parallel = False
         self.registered = False
 
     def track(self, *, model: Any, optimizer: Any, scheduler: Any, loader: Any, extras: Mapping[str, Any],
               data_parallel: bool) -> None:
-        self.objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
-                        "extras": dict(extras)}
+        self.objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}
+        for name, value in extras.items():
+            if _loads_in_place(value):
+                continue
+            try:
+                pickle.dumps(value)
+            except Exception as error:  # noqa: BLE001 - whatever pickling raised, the value cannot be snapshotted
+                raise InvalidArgumentError(
+                    f"track(extras={{'{name}': ...}}): a {type(value).__name__} has no state_dict()/"
+                    f"load_state_dict() and cannot be pickled ({error}); track a picklable value or an object "
+                    "with both methods") from None
+        self.extras.clear()
+        self.extras.update(extras)
         self.data_parallel = data_parallel
 
     @property
@@ -57,10 +74,14 @@ class TrackedState:
             self.own.register_many(tensors)
             for name, (get, set_) in objects.items():
                 self.own.register_object(name, get, set_)
-        private = {"loader": tracked.get("loader"), **{f"extras/{n}": v for n, v in tracked.get("extras", {}).items()}}
-        for name, obj in private.items():
-            if obj is not None:
-                self.own.register_object(name, obj.state_dict, obj.load_state_dict)
+        if tracked.get("loader") is not None:
+            self.own.register_object("loader", tracked["loader"].state_dict, tracked["loader"].load_state_dict)
+        for name, value in self.extras.items():
+            if _loads_in_place(value):
+                self.own.register_object(f"extras/{name}", value.state_dict, value.load_state_dict)
+            else:
+                self.own.register_object(f"extras/{name}", functools.partial(self.extras.__getitem__, name),
+                                         functools.partial(self.extras.__setitem__, name))
         self.own.register_object("rng", capture_rng, restore_rng)
         for store in self.all_stores():
             store.allocate()
@@ -135,6 +156,21 @@ class TrackedState:
             store.restore(version, verify=not pulled)
         self.clear_gradients()
 
+    def remember_rng(self) -> None:
+        """Note the RNG states a restore just set (see ``rng_changed``)."""
+        self._restored_rng = _pickled_rng()
+
+    def rng_changed(self) -> bool:
+        """Whether the RNG states moved since ``remember_rng`` (then forgets them): a
+        replacement's script that seeds or draws after ``track()`` has thrown away the
+        state it was restored to. A generator that appeared since (CUDA initialised
+        after ``track()``) is not a change."""
+        restored, self._restored_rng = self._restored_rng, None
+        if restored is None:
+            return False
+        now = _pickled_rng()
+        return any(now[name] != state for name, state in restored.items() if name in now)
+
     def clear_gradients(self) -> None:
         """Set the gradient of every tracked parameter to None. The step after a restore
         must not start from the aborted step's partial gradients: a loop that zeroes
@@ -174,3 +210,13 @@ class TrackedState:
     def close(self) -> None:
         for store in (self.own, *self.share_stores):
             store.close()
+
+
+def _loads_in_place(value: Any) -> bool:
+    """An extra restored through its own state_dict()/load_state_dict()."""
+    return hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
+
+
+def _pickled_rng() -> Dict[str, bytes]:
+    """Each generator's state (``capture_rng``), pickled to compare."""
+    return {name: pickle.dumps(state) for name, state in capture_rng().items()}

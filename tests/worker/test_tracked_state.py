@@ -1,0 +1,77 @@
+"""What a restore gives back beyond the tensors, on the real SnapshotStore: plain
+values tracked as extras, and no gradients of the step it rolls back."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from peerstate import InvalidArgumentError  # noqa: E402
+from peerstate.replication.placement import DataParallelShares  # noqa: E402
+from peerstate.worker.tracked_state import TrackedState  # noqa: E402
+
+
+class Counter:
+    def __init__(self):
+        self.value = 0
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+@pytest.fixture
+def tracked():
+    state = TrackedState(DataParallelShares([0], 1), versions=4, threads=1)
+    yield state
+    state.close()
+
+
+def snapshot(tracked, version):
+    tracked.own.snapshot(version).wait()
+
+
+def test_plain_extras_are_restored_where_the_script_reads_them(tracked):
+    counter = Counter()
+    model = torch.nn.Linear(2, 2)
+    tracked.track(model=model, optimizer=None, scheduler=None, loader=None,
+                  extras={"best_loss": float("inf"), "history": [], "counter": counter}, data_parallel=False)
+    tracked.register(0)
+    tracked.extras["best_loss"] = 0.5
+    tracked.extras["history"].append(0.5)
+    counter.value = 7
+    snapshot(tracked, 1)
+    tracked.extras["best_loss"] = 0.25
+    tracked.extras["history"].append(0.25)  # a mutable value is captured by value, not by reference
+    counter.value = 9
+    tracked.restore(1)
+    assert tracked.extras["best_loss"] == 0.5 and tracked.extras["history"] == [0.5]
+    assert tracked.extras["counter"] is counter and counter.value == 7
+
+
+def test_an_extra_that_can_be_neither_pickled_nor_loaded_is_refused_at_track(tracked):
+    with pytest.raises(InvalidArgumentError, match=r"extras=\{'stream': \.\.\.\}\): a generator has no state_dict"):
+        tracked.track(model=None, optimizer=None, scheduler=None, loader=None, extras={"stream": (i for i in [])},
+                      data_parallel=False)
+
+
+def test_a_restore_leaves_no_gradient_of_the_step_it_rolls_back(tracked):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracked.track(model=model, optimizer=optimizer, scheduler=None, loader=None, extras={}, data_parallel=False)
+    tracked.register(0)
+    snapshot(tracked, 1)
+    model(torch.ones(1, 2)).sum().backward()  # the aborted step's backward
+    assert all(p.grad is not None for p in model.parameters())
+    tracked.restore(1)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_seed_set_after_a_restore_is_seen_once(tracked):
+    tracked.remember_rng()
+    assert not tracked.rng_changed()  # untouched since the restore (and forgotten: checked once)
+    tracked.remember_rng()
+    torch.manual_seed(1234)
+    assert tracked.rng_changed()
+    assert not tracked.rng_changed()
