@@ -344,8 +344,8 @@ class Agent:
             print(f"peerstate: {message}", file=sys.stderr, flush=True)
             return
         self._fail(f"{message}\nThe script fails on every hot spare before track() returns. A spare has no RANK "
-                   "until track() gives it one, and its LOCAL_RANK is provisional (README, 'What a script may rely "
-                   "on'): code before track() must not depend on the rank.")
+                   "until track() gives it one, and its LOCAL_RANK is provisional (README, 'What a training script "
+                   "must and must not do'): code before track() must not depend on the rank.")
 
     def _report(self, workers: List[str], reason: str, detected_at: float) -> None:
         """Write the recovery plan off the watch loop (waiting for a spare takes a while)."""
