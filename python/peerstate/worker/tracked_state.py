@@ -175,12 +175,9 @@ class TrackedState:
         """Set the gradient of every tracked parameter to None. The step after a restore
         must not start from the aborted step's partial gradients: a loop that zeroes
         them after ``optimizer.step()`` would add its replay onto them."""
-        model, optimizer = self.objects.get("model"), self.objects.get("optimizer")
-        parameters = list(model.parameters()) if model is not None else []
-        if optimizer is not None:
-            parameters += [p for group in optimizer.param_groups for p in group["params"]]
-        for parameter in parameters:
-            parameter.grad = None
+        for owner in (self.objects.get("model"), self.objects.get("optimizer")):
+            if owner is not None:
+                owner.zero_grad(set_to_none=True)
 
     def checkpoint_state(self, rank: int) -> Dict[str, Any]:
         """What a disk checkpoint holds, keyed the same whatever the data-parallel
