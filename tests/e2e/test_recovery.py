@@ -199,6 +199,18 @@ def test_blocked_collectives_of_declared_subgroups_are_aborted(run, reference):
     assert plan["failed"] == [2, 3] and "node 1 lost" in plan["reason"]
 
 
+def test_a_group_created_outside_peerstate_stops_the_job_before_its_first_step(run):
+    # A group from torch.distributed.new_group would be neither aborted nor re-formed:
+    # a recovery would hang on it or leave it dead. Refused at once, naming the fix.
+    job = run(nodes=[(2, 0)], steps=5, script_args=["--undeclared-group"])
+    assert job.wait() != [0], job.describe()
+    text = job.text() + "".join(log.read_text() for log in job.agent_logs)
+    assert "process groups were created outside peerstate: ranks [0, 1]." in text, job.describe()
+    assert "the job cannot go on" in text, job.describe()  # the job stops: no spare is sent into the same error
+    assert "job.new_group(ranks) or job.device_mesh(...) before track()" in text
+    assert not re.search(r"^rank \d step 0", job.text(), re.M), "a step ran with an undeclared group"
+
+
 def test_a_loop_that_cannot_leave_its_call_gives_its_rank_to_a_spare(run, reference):
     # Rank 0 sleeps at step 5 (as in a call no abort can wake) while rank 3 is killed.
     # The others wait for rank 0 in the new epoch; after abort_timeout rank 0 exits on

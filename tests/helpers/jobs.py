@@ -15,9 +15,10 @@ TRAIN_SCRIPT = Path(__file__).with_name("train_job.py")
 
 
 class Job(LocalJob):
-    def __init__(self, tmp_path, nodes, *, steps=40, agent_args=(), script_args=(), script=TRAIN_SCRIPT):
-        """nodes: [(nproc_per_node, spares), ...], one agent each."""
-        self.out = Path(tmp_path) / "final.pt"
+    def __init__(self, tmp_path, nodes, *, steps=40, agent_args=(), script_args=(), script=TRAIN_SCRIPT, out=None):
+        """nodes: [(nproc_per_node, spares), ...], one agent each; ``out``: what the script's
+        --out names (default: a file final.pt in tmp_path)."""
+        self.out = Path(out) if out is not None else Path(tmp_path) / "final.pt"
         super().__init__(tmp_path, nodes, [str(script), "--steps", str(steps), "--out", str(self.out),
                                            *script_args], agent_args=agent_args)
 

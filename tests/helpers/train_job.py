@@ -35,6 +35,8 @@ parser.add_argument("--seed-after-track", action="store_true",
                     help="torch.manual_seed(rank) after track(), which overwrites a replacement's restored RNG")
 parser.add_argument("--read-rank-early", action="store_true",
                     help="read RANK between Job() and track(), which a hot spare does not have yet")
+parser.add_argument("--undeclared-group", action="store_true",
+                    help="create a group with torch.distributed.new_group after track(), which peerstate cannot abort")
 parser.add_argument("--report-ports", action="store_true",
                     help="at the end, print how many TCP ports this process listens on at PEERSTATE_HOST")
 args = parser.parse_args()
@@ -103,6 +105,10 @@ scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
 job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=args.data_parallel)
 if args.seed_after_track:
     torch.manual_seed(job.rank)
+if args.undeclared_group:
+    import torch.distributed as dist
+
+    dist.new_group([0, 1])
 print("environment after track:", " ".join(f"{v}={os.environ.get(v, '-')}" for v in LAUNCH_VARIABLES), flush=True)
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
 ddp = model if args.fsdp else job.ddp(model)

@@ -213,3 +213,45 @@ print(int(total), flush=True)""", prelude=_BARRIER) as peer:
             assert peer.communicate(timeout=60)[0].strip() == "3"
         finally:
             forming.destroy()
+
+
+_MESH_MEMBER = """
+from peerstate.worker.meshes import DeclaredMesh
+declared = DeclaredMesh("cpu", (2, 1), ("replicate", "shard"))
+groups.add(declared, timeout=30)
+names, mesh = declared.mesh._dim_group_names, declared.mesh
+groups.destroy()
+groups.form(kv.torch_store, 1, rank=RANK, world_size=2, timeout=30)
+assert declared.mesh is mesh and declared.mesh._dim_group_names == names
+total = torch.tensor([RANK + 1])
+dist.all_reduce(total, group=declared.get_group("replicate"))
+alone = torch.tensor([RANK + 1])
+dist.all_reduce(alone, group=declared.get_group("shard"))
+print(names, int(total), int(alone), flush=True)
+"""
+
+
+def test_a_declared_mesh_keeps_its_object_and_group_names_across_epochs(groups):
+    # The mesh (and what FSDP2, DTensors and TP plans built on it) finds groups by name:
+    # the re-formed epoch's groups must come out under the old names, in the same object.
+    kv, groups = groups
+    with _peer(kv, 0, _MESH_MEMBER.replace("RANK", "1") + "groups.destroy()") as peer:
+        groups.form(kv.torch_store, 0, rank=0, world_size=2, timeout=30)
+        exec(_MESH_MEMBER.replace("RANK", "0"), {"groups": groups, "kv": kv, "torch": torch, "dist": dist})
+        line = peer.communicate(timeout=60)[0].strip()
+    names, total, alone = line.rsplit(" ", 2)
+    assert (int(total), int(alone)) == (3, 2), line  # "replicate" spans both ranks; "shard" is rank 1 alone
+    assert len(eval(names)) == 2
+
+
+def test_a_group_created_outside_peerstate_is_found(groups):
+    kv, groups = groups
+    groups.form(kv.torch_store, 0, rank=0, world_size=1, timeout=10)
+    assert groups.undeclared() == []
+    groups.add(Subgroup([0], {}), timeout=10)
+    assert groups.undeclared() == []
+    direct = dist.new_group([0])
+    assert groups.undeclared() == [direct]
+    groups.destroy()
+    groups.form(kv.torch_store, 1, rank=0, world_size=1, timeout=10)
+    assert groups.undeclared() == []

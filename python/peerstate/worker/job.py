@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import sys
 import warnings
@@ -66,6 +67,7 @@ from peerstate.worker.abort import AbortHandler
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.joiner import EpochJoiner, Superseded
 from peerstate.worker.membership import EpochWatcher, Membership, MemberState
+from peerstate.worker.meshes import DeclaredMesh
 from peerstate.worker.process_groups import ProcessGroups, Subgroup
 from peerstate.worker.rebuild import DistributedWrappers, RebuildableDDP
 from peerstate.worker.report import RecoveryReport
@@ -221,15 +223,40 @@ class Job:
         failure hits and forms it again in every epoch. Every process calls it, in
         the same order, before ``track()`` (a spare too: it forms its subgroups when
         it is given a rank). Pass ``subgroup.group`` to collectives."""
-        if self.tracked.tracking:
-            raise InvalidArgumentError("declare subgroups with new_group() before track(): a hot spare waits in "
-                                       "track(), and every process must declare the same groups in the same order")
+        self._check_declaration("new_group()")
         ranks = list(ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
             raise InvalidArgumentError(f"new_group() needs distinct ranks in [0, {self.world_size}), got {ranks}")
         subgroup = Subgroup(ranks, options)
         self.groups.add(subgroup, self.join_timeout)
         return subgroup
+
+    def device_mesh(self, device_type: str, mesh_shape: Sequence[int], *,
+                    mesh_dim_names: Optional[Sequence[str]] = None) -> DeclaredMesh:
+        """Declare a ``DeviceMesh`` (``init_device_mesh``'s arguments) whose groups
+        peerstate aborts on a failure and re-forms in every epoch; ``.mesh`` is the
+        torch ``DeviceMesh``, the same object across recoveries (see ``meshes``).
+        The same rules as ``new_group``: every process, same order, before
+        ``track()``; a spare's ``.mesh`` exists once ``wait_for_rank()`` returns."""
+        self._check_declaration("device_mesh()")
+        shape = [int(size) for size in mesh_shape]
+        if not shape or any(size < 1 for size in shape) or math.prod(shape) != self.world_size:
+            raise InvalidArgumentError(f"device_mesh() needs a shape whose sizes multiply to the world size "
+                                       f"{self.world_size}, got {list(mesh_shape)}")
+        if mesh_dim_names is not None and len(mesh_dim_names) != len(shape):
+            raise InvalidArgumentError(f"device_mesh() got {len(mesh_dim_names)} dimension names "
+                                       f"{list(mesh_dim_names)} for the {len(shape)} dimensions of {shape}")
+        declared = DeclaredMesh(device_type, shape, mesh_dim_names)
+        self.groups.add(declared, self.join_timeout)
+        return declared
+
+    def _check_declaration(self, what: str) -> None:
+        if self.tracked.tracking:
+            raise InvalidArgumentError(f"call {what} before track(): a hot spare waits in track(), and every "
+                                       "process must declare the same groups in the same order")
+        if self.membership.replacement and self.rank is not None:
+            raise InvalidArgumentError(f"call {what} before wait_for_rank(): this replacement already formed its "
+                                       "epoch's groups with the survivors, who will not create this one")
 
     def track(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, loader: Any = None,
               extras: Optional[Mapping[str, Any]] = None, data_parallel: bool = False) -> None:
@@ -293,6 +320,19 @@ class Job:
 
     def guard(self) -> StepGuard:
         """Context manager for one step's body: a failure inside becomes a recovery."""
+        undeclared = self.groups.undeclared()
+        if undeclared:
+            import torch.distributed as dist
+
+            described = ", ".join(f"ranks {dist.get_process_group_ranks(group)}"
+                                  + (f" ({group.group_desc})" if group.group_desc != "undefined" else "")
+                                  for group in undeclared)
+            message = (f"rank {self.rank}: process groups were created outside peerstate: {described}. No abort "
+                       "reaches their collectives when a rank fails, and no recovery re-forms them. Create them "
+                       "with job.new_group(ranks) or job.device_mesh(...) before track() instead of "
+                       "torch.distributed.new_group or init_device_mesh.")
+            # A replacement would run into the same: the job stops, not just this rank.
+            raise InvalidArgumentError(self.coordinator.fail_job(message))
         if self.tracked.rng_changed():
             message = (f"peerstate: rank {self.rank} was restored to step {self.next_step - 1} inside track(), RNG "
                        "states included, and they changed before its first step: a seed set (torch.manual_seed, "

@@ -2,8 +2,10 @@
 
 Forming: ``torch.distributed.init_process_group`` over the job's TCPStore under
 the prefix ``keys.process_group_prefix(epoch)``, so a re-formed group never reads the keys of the
-group it replaces; then every declared ``Subgroup`` (``Job.new_group``), in
-declaration order, with ``torch.distributed.new_group``.
+group it replaces; then every declared ``Subgroup`` (``Job.new_group``, with
+``torch.distributed.new_group``) and ``DeclaredMesh`` (``Job.device_mesh``, see
+``meshes``), in declaration order. Every epoch creates the same groups in the same
+order, so they get the same names, which is what a ``DeviceMesh`` finds them by.
 
 Aborting, so that a training loop blocked in a collective fails at once:
 - NCCL: ``ProcessGroup.abort()`` (``ncclCommAbort``) of every group, inside
@@ -17,10 +19,10 @@ Aborting, so that a training loop blocked in a collective fails at once:
   opened (gloo connects its full mesh eagerly); they are recognised by inode,
   so a reused descriptor number is never touched, and listening sockets are
   left alone (gloo treats a failed accept() as fatal). The sockets of declared
-  subgroups are collected the same way as they form. Groups created with
-  ``torch.distributed.new_group`` directly (or by a multi-dimensional
-  ``DeviceMesh``) are not known here, so not aborted: declare them with
-  ``Job.new_group``.
+  subgroups and meshes are collected the same way as they form. Groups
+  created with ``torch.distributed.new_group`` or ``init_device_mesh``
+  directly are not known here, so not aborted: ``undeclared()`` finds them,
+  and ``Job.guard`` refuses to run a step while one exists.
 - A rendezvous in progress (a member died after it reported): the group is
   formed through its own store connection, whose socket is shut down the
   same way, so ``init_process_group`` fails at once instead of waiting out the
@@ -55,11 +57,12 @@ import datetime
 import os
 import socket
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from peerstate.control import keys
 from peerstate.errors import AbortedError, InvalidArgumentError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
+from peerstate.worker.meshes import DeclaredMesh
 
 
 def _open_sockets() -> Iterator[Tuple[int, str]]:
@@ -86,6 +89,9 @@ class Subgroup:
         self.options = options
         self._group: Any = None
 
+    def dissolve(self) -> None:
+        self._group = None
+
     @property
     def group(self) -> Any:
         """The current epoch's ``ProcessGroup`` (torch's non-member marker on a rank
@@ -98,7 +104,7 @@ class Subgroup:
 
 
 class ProcessGroups:
-    """The default process group of the current epoch, and the declared subgroups."""
+    """The default process group of the current epoch, and the declared subgroups and meshes."""
 
     def __init__(self, backend: str, collective_timeout: Optional[float] = None,
                  connect_timeout: Optional[float] = None) -> None:
@@ -114,7 +120,8 @@ class ProcessGroups:
         self.collective_timeout = collective_timeout
         self.connect_timeout = connect_timeout
         self.epoch: Optional[int] = None
-        self._subgroups: List[Subgroup] = []
+        self._declared: List[Union[Subgroup, DeclaredMesh]] = []
+        self._formed: Set[Any] = set()      # the ProcessGroup objects formed here this epoch
         self._sockets: Set[str] = set()
         self._forming: Set[str] = set()   # the rendezvous connection while form() runs
         self._abort_epoch = -1             # the newest epoch that asked for an abort
@@ -143,8 +150,8 @@ class ProcessGroups:
             dist.init_process_group(self.backend, store=prefixed, rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=connect))
             self._set_wait(dist.distributed_c10d._get_default_group(), self.collective_timeout or timeout)
-            for subgroup in self._subgroups:
-                self._form_subgroup(subgroup, timeout, connect)
+            for declared in self._declared:
+                self._form_declared(declared, timeout, connect)
         except Exception as error:  # noqa: BLE001 - torch raises several types for a missed rendezvous
             with self._lock:
                 self._forming = set()
@@ -157,17 +164,39 @@ class ProcessGroups:
             self._forming = set()
             self.epoch = epoch
             self._sockets = _socket_inodes() - before if self.backend == "gloo" else set()
+            self._formed = set(dist.distributed_c10d._world.pg_names)
 
-    def add(self, subgroup: Subgroup, timeout: float) -> None:
-        """Declare ``subgroup``: formed now if this epoch's group is, and in every form()."""
-        self._subgroups.append(subgroup)
+    def add(self, declared: Union[Subgroup, DeclaredMesh], timeout: float) -> None:
+        """Declare a subgroup or a mesh: formed now if this epoch's group is, and in
+        every form()."""
+        import torch.distributed as dist
+
+        self._declared.append(declared)
         if self.epoch is None:
             return  # a spare: formed with its first epoch
         before = _socket_inodes()
-        self._form_subgroup(subgroup, timeout, timeout)  # the ranks call add() at their own pace
+        self._form_declared(declared, timeout, timeout)  # the ranks call add() at their own pace
         with self._lock:
             if self.backend == "gloo":
                 self._sockets |= _socket_inodes() - before
+            self._formed = set(dist.distributed_c10d._world.pg_names)
+
+    def undeclared(self) -> List[Any]:
+        """Process groups of this process that peerstate did not form (created with
+        ``torch.distributed.new_group`` or ``init_device_mesh`` directly): no abort
+        reaches them and no recovery re-forms them."""
+        import torch.distributed as dist
+
+        if self.epoch is None:
+            return []
+        return [group for group in dist.distributed_c10d._world.pg_names if group not in self._formed]
+
+    def _form_declared(self, declared: Union[Subgroup, DeclaredMesh], timeout: float, connect: float) -> None:
+        if isinstance(declared, Subgroup):
+            self._form_subgroup(declared, timeout, connect)
+            return
+        wait = self.collective_timeout or timeout
+        declared.form(connect if self.backend == "gloo" else None, lambda group: self._set_wait(group, wait))
 
     def _form_subgroup(self, subgroup: Subgroup, timeout: float, connect: float) -> None:
         """Create ``subgroup`` under ``connect`` (gloo); then its collectives wait for the
@@ -235,8 +264,9 @@ class ProcessGroups:
         with self._lock:
             self.epoch = None
             self._sockets = set()
-        for subgroup in self._subgroups:
-            subgroup._group = None
+            self._formed = set()
+        for declared in self._declared:
+            declared.dissolve()
         if dist.is_initialized():
             try:
                 dist.distributed_c10d._abort_process_group()

@@ -117,15 +117,25 @@ class DistributedWrappers:
 def reset_fsdp(model: Any) -> None:
     """After an abort, FSDP2 (``fully_shard``) modules: drop the aborted iteration
     (``reset_iter_state``: in-flight collectives, unsharded parameters, per-iteration
-    trackers) and point their cached process groups at the re-formed world group.
-    Their device mesh finds groups by name, and the re-formed group has the old one's."""
+    trackers) and point their cached process groups (shard and, with HSDP, replicate)
+    at the re-formed groups. Their device mesh finds groups by name, and a re-formed
+    group has the old one's (see ``meshes``)."""
     if model is None or not hasattr(model, "reset_iter_state"):
         return
+    infos = {}
     for module in model.modules():
         group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
-        for info in (group.mesh_info, group.post_forward_mesh_info) if group is not None else ():
-            if info is not None and getattr(info, "shard_mesh_dim", None) is not None:
-                info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+        if group is None:
+            continue
+        for owner in (group, *group.fsdp_params):
+            for info in (owner.mesh_info, owner.post_forward_mesh_info):
+                if info is not None:
+                    infos[id(info)] = info
+    for info in infos.values():
+        if getattr(info, "shard_mesh_dim", None) is not None:
+            info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+        if getattr(info, "replicate_mesh_dim", None) is not None:
+            info.replicate_process_group = info.mesh.get_group(info.replicate_mesh_dim)
     try:
         model.reset_iter_state()
     except Exception:  # noqa: BLE001 - it waits on the aborted iteration's collectives, which

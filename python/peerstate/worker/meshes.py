@@ -1,0 +1,90 @@
+"""Device meshes whose process groups peerstate aborts and re-forms in every epoch.
+
+A ``torch.distributed.device_mesh.DeviceMesh`` does not hold its groups: it
+holds their names and looks a group up by name at each use
+(``mesh.get_group(dim)``); so do the DTensors, tensor-parallel plans and
+FSDP2 modules built on it. torch names a group after a per-process counter
+that ``ProcessGroups.form`` resets with every epoch, so a mesh created again
+in the same place of the same sequence of groups gets the same names. That
+is how a re-formed epoch keeps the script's mesh (and everything built on
+it) valid: peerstate creates a fresh mesh with the same shape right after the
+default group and the declared subgroups, checks that its group names are
+the old ones, and drops it; the script goes on using the mesh it was given.
+
+What a script must do: declare every mesh with ``Job.device_mesh`` before
+``track()``, every process in the same order (a hot spare too: its meshes are
+formed when it is given a rank). A mesh created with ``init_device_mesh``
+directly, or a group from ``torch.distributed.new_group``, is neither aborted
+nor re-formed, and ``Job.guard`` refuses to run a step while one exists.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Optional, Sequence
+
+from peerstate.errors import InvalidArgumentError
+
+
+class DeclaredMesh:
+    """A device mesh declared with ``Job.device_mesh``. ``mesh`` is torch's
+    ``DeviceMesh``, the same object in every epoch: pass it (or its slices,
+    ``declared.mesh["tp"]``) to ``fully_shard``, ``parallelize_module`` and
+    pipelining."""
+
+    def __init__(self, device_type: str, shape: Sequence[int], dim_names: Optional[Sequence[str]]) -> None:
+        self.device_type = device_type
+        self.shape = tuple(int(size) for size in shape)
+        self.dim_names = tuple(dim_names) if dim_names is not None else None
+        self._mesh: Any = None
+        self._formed = False
+
+    @property
+    def mesh(self) -> Any:
+        """The ``DeviceMesh`` (raises while this process has no rank: a spare
+        waiting in ``track()``, or between two epochs)."""
+        if not self._formed:
+            raise InvalidArgumentError(
+                f"the device mesh {self.shape} is not formed: this process has no rank yet (a spare before "
+                "wait_for_rank() or track() returned) or its epoch's groups are being re-formed")
+        return self._mesh
+
+    def get_group(self, dim: Any = None) -> Any:
+        """This epoch's process group of mesh dimension ``dim`` (an index or a name).
+        Read it at each use: a recovery replaces it."""
+        return self.mesh.get_group(dim)
+
+    def dissolve(self) -> None:
+        """Its groups are gone (the epoch's groups were destroyed)."""
+        self._formed = False
+
+    def form(self, create_timeout: Optional[float], set_wait: Callable[[Any], None]) -> None:
+        """Create the mesh's groups for this epoch (every member of the epoch calls it at
+        the same point of its sequence of groups). ``create_timeout``: the timeout its
+        groups are created under (None: torch's default); ``set_wait`` then gives each
+        group its collective timeout. Raises RuntimeError when the groups came out
+        under other names than in the first epoch (see the module docstring)."""
+        import torch.distributed.distributed_c10d as c10d
+        from torch.distributed.device_mesh import init_device_mesh
+
+        default = c10d.default_pg_timeout
+        if create_timeout is not None:  # new_group() reads it when no timeout is passed
+            c10d.default_pg_timeout = datetime.timedelta(seconds=create_timeout)
+        try:
+            fresh = init_device_mesh(self.device_type, self.shape, mesh_dim_names=self.dim_names)
+        finally:
+            c10d.default_pg_timeout = default
+        for dim in range(len(self.shape)):
+            set_wait(fresh.get_group(dim))
+        if self._mesh is None:
+            self._mesh = fresh
+        elif list(fresh._dim_group_names) != list(self._mesh._dim_group_names):
+            raise RuntimeError(
+                f"the re-formed device mesh {self.shape} got process groups named {fresh._dim_group_names}, not "
+                f"{self._mesh._dim_group_names}: a process group was created in this epoch before the mesh that "
+                "was not there in the first (create every group with job.new_group or job.device_mesh, before "
+                "track())")
+        else:
+            # What torch.compile resolves groups through (names outside of it).
+            getattr(self._mesh, "_pg_registry", {}).update(getattr(fresh, "_pg_registry", {}))
+        self._formed = True

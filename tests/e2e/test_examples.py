@@ -1,0 +1,44 @@
+"""The parallelism examples of examples/ under real agents and a real kill -9: HSDP
+(2 replica groups x 2 shards), FSDP2 + tensor parallelism on a 2-D mesh, and a 2-stage
+1F1B pipeline replicated twice. Every rank's final shard must equal the fault-free
+run's, bit for bit."""
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from helpers.jobs import Job  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+STEPS = 30
+FAST = ["--lease-timeout", "1.5", "--hang-timeout", "1.5", "--spare-timeout", "30", "--join-timeout", "60"]
+
+
+def run_example(tmp_path, name, kill=None):
+    out = tmp_path / "out"
+    out.mkdir(parents=True)
+    job = Job(tmp_path, [(2, 1), (2, 0)], steps=STEPS, agent_args=FAST, script=EXAMPLES / name, out=out,
+              script_args=["--step-seconds", "0.05"])
+    try:
+        if kill is not None:
+            job.wait_for_step(kill, 3, 90)
+            job.kill_rank(kill)
+        assert job.wait() == [0, 0], job.describe()
+        assert [e["failed"] for e in job.events("recovery")] == ([[kill]] if kill is not None else []), \
+            job.describe()
+        return {rank: torch.load(out / f"rank{rank}.pt") for rank in range(4)}
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("name, kill", [("hsdp.py", 2), ("fsdp_tp.py", 1), ("pipeline.py", 3)],
+                         ids=["hsdp", "fsdp-tp", "pipeline"])
+def test_a_killed_rank_of_a_mesh_parallel_example_recovers_bitwise(tmp_path, name, kill):
+    reference = run_example(tmp_path / "reference", name)
+    final = run_example(tmp_path / "killed", name, kill=kill)
+    for rank in range(4):
+        assert reference[rank].keys() == final[rank].keys()
+        different = [key for key in reference[rank] if not torch.equal(final[rank][key], reference[rank][key])]
+        assert not different, f"{name}: rank {rank}'s {different} differ from the fault-free run"
