@@ -211,6 +211,19 @@ def test_a_group_created_outside_peerstate_stops_the_job_before_its_first_step(r
     assert not re.search(r"^rank \d step 0", job.text(), re.M), "a step ran with an undeclared group"
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_script_that_forms_its_own_default_group_is_told_what_to_remove(run, when):
+    job = run(nodes=[(2, 0)], steps=5, script_args=["--init-process-group", when])
+    assert job.wait() != [0], job.describe()
+    summary = "".join(log.read_text() for log in job.agent_logs)
+    if when == "after":
+        assert "init_process_group() was called after peerstate.Job()" in summary, job.describe()
+    else:  # under peerstate run, rank 0's init_process_group fails: MASTER_PORT is the job's store
+        assert "It failed in init_process_group()" in summary, job.describe()
+    assert "remove the script's torch.distributed.init_process_group() call" in summary, job.describe()
+    assert "Job(backend=...)" in summary
+
+
 def test_a_loop_that_cannot_leave_its_call_gives_its_rank_to_a_spare(run, reference):
     # Rank 0 sleeps at step 5 (as in a call no abort can wake) while rank 3 is killed.
     # The others wait for rank 0 in the new epoch; after abort_timeout rank 0 exits on

@@ -37,6 +37,8 @@ parser.add_argument("--read-rank-early", action="store_true",
                     help="read RANK between Job() and track(), which a hot spare does not have yet")
 parser.add_argument("--undeclared-group", action="store_true",
                     help="create a group with torch.distributed.new_group after track(), which peerstate cannot abort")
+parser.add_argument("--init-process-group", choices=["before", "after"], default=None,
+                    help="call torch.distributed.init_process_group before or after peerstate.Job()")
 parser.add_argument("--report-ports", action="store_true",
                     help="at the end, print how many TCP ports this process listens on at PEERSTATE_HOST")
 args = parser.parse_args()
@@ -44,8 +46,12 @@ if args.fail_at_import:
     raise ImportError("this script was told to fail at start-up")
 
 torch.set_num_threads(1)
+if args.init_process_group == "before":
+    torch.distributed.init_process_group("gloo")
 job = peerstate.Job(join_timeout=60.0, failure_grace=20.0, abort_timeout=args.abort_timeout,
                     data_parallel_shares=args.data_parallel_shares)
+if args.init_process_group == "after":
+    torch.distributed.init_process_group("gloo")
 hold_rank, hold_step = map(int, args.hold.split(":")) if args.hold else (None, None)
 LAUNCH_VARIABLES = ("PEERSTATE_ROLE", "RANK", "LOCAL_RANK", "OMP_NUM_THREADS")
 print("environment before track:", " ".join(f"{v}={os.environ.get(v, '-')}" for v in LAUNCH_VARIABLES), flush=True)

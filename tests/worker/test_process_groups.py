@@ -255,3 +255,23 @@ def test_a_group_created_outside_peerstate_is_found(groups):
     groups.destroy()
     groups.form(kv.torch_store, 1, rank=0, world_size=1, timeout=10)
     assert groups.undeclared() == []
+
+
+def test_the_default_group_is_peerstates(groups):
+    from peerstate.worker.process_groups import claim_default_group, release_default_group
+
+    kv, groups = groups
+    groups.form(kv.torch_store, 0, rank=0, world_size=1, timeout=10)  # as if the script had formed it
+    with pytest.raises(InvalidArgumentError, match=r"initialised before peerstate.Job\(\): remove the script's"):
+        claim_default_group(InvalidArgumentError)
+    groups.destroy()
+    original = dist.init_process_group
+    claim_default_group(InvalidArgumentError)
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"called after peerstate.Job\(\).*Job\(backend=\.\.\.\)"):
+            dist.init_process_group("gloo", store=kv.torch_store, rank=0, world_size=1)
+        groups.form(kv.torch_store, 1, rank=0, world_size=1, timeout=10)  # peerstate's own still forms
+        assert dist.is_initialized()
+    finally:
+        release_default_group()
+    assert dist.init_process_group is original

@@ -30,6 +30,13 @@ from peerstate.errors import InvalidArgumentError
 # A worker that could not leave a blocked call within Job(abort_timeout=...) exits with this (EX_SOFTWARE).
 ABORT_DEADLINE_EXIT_CODE = 70
 
+# What a script that forms its own default group is told (by the worker, or by the agent when the
+# call failed before peerstate.Job(): rank 0 finds MASTER_PORT taken by the job's store).
+SCRIPT_DEFAULT_GROUP = (
+    "remove the script's torch.distributed.init_process_group() call: peerstate.Job() forms the default process "
+    "group itself, again in every epoch, so that it can abort it (choose the backend with Job(backend=...)). "
+    "A hot spare could not call it anyway: it has no RANK until track() gives it one.")
+
 SECRET_VARIABLE = "PEERSTATE_SECRET"
 MIN_SECRET_BYTES = 16
 

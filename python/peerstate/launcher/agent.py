@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 from peerstate.control import keys
 from peerstate.control import progress as progress_file
 from peerstate.control.coordinator import Coordinator
-from peerstate.control.environment import WorkerEnvironment, job_secret
+from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, WorkerEnvironment, job_secret
 from peerstate.control.kvstore import TorchKeyValueStore
 from peerstate.control.node_relay import NodeRelay
 from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
@@ -323,8 +323,10 @@ class Agent:
                 process.rank = assigned[1]  # its death is that rank's failure
         who = f"hot spare {process.worker}" if process.rank is None else f"rank {process.rank} ({process.worker})"
         if code > 0 and not process.ticked:
+            tail = log_tail(process.log)
+            hint = f"\nIt failed in init_process_group(): {SCRIPT_DEFAULT_GROUP}" if "init_process_group" in tail else ""
             self._fail(f"{who} {how} before it reached peerstate.Job(), in {' '.join(self.config.script)}: the "
-                       f"script fails at start-up. Last lines of {process.log}:\n{log_tail(process.log)}")
+                       f"script fails at start-up. Last lines of {process.log}:\n{tail}{hint}")
             return
         if process.rank is None:
             if code > 0 and not ready:

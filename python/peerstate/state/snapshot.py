@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pickle
 import sys
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from peerstate import _C
 from peerstate.state.buffers import HOST, Buffer, describe

@@ -68,7 +68,7 @@ from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.joiner import EpochJoiner, Superseded
 from peerstate.worker.membership import EpochWatcher, Membership, MemberState
 from peerstate.worker.meshes import DeclaredMesh
-from peerstate.worker.process_groups import ProcessGroups, Subgroup
+from peerstate.worker.process_groups import ProcessGroups, Subgroup, claim_default_group, release_default_group
 from peerstate.worker.rebuild import DistributedWrappers, RebuildableDDP
 from peerstate.worker.report import RecoveryReport
 from peerstate.worker.restorer import Restorer
@@ -144,6 +144,8 @@ class Job:
         node_host, node_port = env.node_store.rsplit(":", 1)
         self.channel = TorchKeyValueStore(node_host, int(node_port), timeout=join_timeout)  # to its agent
         self.coordinator = Coordinator(self.kv)
+        # A replacement would run into the same: the job stops, not just this rank.
+        claim_default_group(lambda message: InvalidArgumentError(self.coordinator.fail_job(message)))
         nodes = [r // env.nproc_per_node for r in range(env.world_size)]
         self.placement = BuddyPlacement(nodes, k=k)
         if data_parallel_shares is None and os.environ.get("PEERSTATE_DATA_PARALLEL_SHARES"):
@@ -211,9 +213,10 @@ class Job:
 
     # -- the loop --------------------------------------------------------------------
     def ddp(self, model: Any, **options: Any) -> RebuildableDDP:
-        """Wrap ``model`` in DistributedDataParallel; the job rebuilds it on every
-        re-formed group. A replacement skips DDP's initial broadcast: its state
-        arrives from the buddies."""
+        """Wrap ``model`` in a ``DistributedDataParallel`` (``options`` are DDP's), which
+        the job rebuilds in place on every re-formed group: the same object, a real
+        DDP subclass, keeping what the script set on it (``RebuildableDDP``). A
+        replacement skips DDP's initial broadcast: its state arrives from the buddies."""
         self.wait_for_rank()
         return self.wrappers.wrap(model, options, self.epoch, self.membership.replacement, self.join_timeout)
 
@@ -331,8 +334,7 @@ class Job:
                        "reaches their collectives when a rank fails, and no recovery re-forms them. Create them "
                        "with job.new_group(ranks) or job.device_mesh(...) before track() instead of "
                        "torch.distributed.new_group or init_device_mesh.")
-            # A replacement would run into the same: the job stops, not just this rank.
-            raise InvalidArgumentError(self.coordinator.fail_job(message))
+            raise InvalidArgumentError(self.coordinator.fail_job(message))  # a replacement would fail too
         if self.tracked.rng_changed():
             message = (f"peerstate: rank {self.rank} was restored to step {self.next_step - 1} inside track(), RNG "
                        "states included, and they changed before its first step: a seed set (torch.manual_seed, "
@@ -406,6 +408,7 @@ class Job:
             self.replication.close()
         self.wrappers.close()
         self.groups.destroy()
+        release_default_group()
         self.tracked.close()
         if self.progress:
             self.progress.close()

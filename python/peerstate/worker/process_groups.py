@@ -54,12 +54,14 @@ recovers with its state, instead of exiting at the deadline.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from peerstate.control import keys
+from peerstate.control.environment import SCRIPT_DEFAULT_GROUP
 from peerstate.errors import AbortedError, InvalidArgumentError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
 from peerstate.worker.meshes import DeclaredMesh
@@ -147,8 +149,9 @@ class ProcessGroups:
         connect = timeout if self.backend != "gloo" or self.connect_timeout is None else self.connect_timeout
         try:
             prefixed = dist.PrefixStore(keys.process_group_prefix(epoch), rendezvous)
-            dist.init_process_group(self.backend, store=prefixed, rank=rank,
-                                    world_size=world_size, timeout=datetime.timedelta(seconds=connect))
+            dist.distributed_c10d.init_process_group(  # not dist.init_process_group: see claim_default_group
+                self.backend, store=prefixed, rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=connect))
             self._set_wait(dist.distributed_c10d._get_default_group(), self.collective_timeout or timeout)
             for declared in self._declared:
                 self._form_declared(declared, timeout, connect)
@@ -272,6 +275,32 @@ class ProcessGroups:
                 dist.distributed_c10d._abort_process_group()
             except Exception:  # noqa: BLE001 - fall back to the plain teardown
                 dist.destroy_process_group()
+
+
+def claim_default_group(refuse: Callable[[str], Exception]) -> None:
+    """The default group is peerstate's: raise ``refuse(message)`` if the script
+    formed one before ``Job()``, and make a later ``torch.distributed.init_process_group``
+    from the script raise it at its own line (torch would say only "trying to
+    initialize the default process group twice"). ``release_default_group`` undoes it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise refuse(f"the default process group was initialised before peerstate.Job(): {SCRIPT_DEFAULT_GROUP}")
+    original = dist.distributed_c10d.init_process_group
+
+    @functools.wraps(original)
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise refuse(f"torch.distributed.init_process_group() was called after peerstate.Job(): "
+                     f"{SCRIPT_DEFAULT_GROUP}")
+
+    refused.__wrapped_by_peerstate__ = original
+    dist.init_process_group = refused
+
+
+def release_default_group() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group = getattr(dist.init_process_group, "__wrapped_by_peerstate__", dist.init_process_group)
 
 
 def _shutdown(inodes: Set[str]) -> None:

@@ -12,8 +12,16 @@ from peerstate.control.kvstore import KeyValueStore
 
 
 class RebuildableDDP:
-    """A DistributedDataParallel that the job rebuilds on each re-formed process
-    group. Call it and use its attributes as the DDP module itself.
+    """A ``DistributedDataParallel`` (a subclass: ``isinstance`` holds, attribute
+    reads and writes are the DDP's own) that the job rebuilds in place on each
+    re-formed process group, so the script's reference stays valid. Made by
+    ``new_rebuildable_ddp``: this class is mixed into DDP's there, so that
+    ``import peerstate`` needs no torch.
+
+    A rebuild runs DDP's constructor again on the same object. What the script
+    changed survives it: ``require_backward_grad_sync`` and
+    ``require_forward_param_sync`` (``no_sync()``, or set directly), ``train()`` /
+    ``eval()``, the comm hooks it registered, and attributes of its own.
 
     Why the bucket layout is carried over: a fresh DDP reduces its first
     iteration in buckets laid out in parameter order and only then re-buckets
@@ -24,16 +32,21 @@ class RebuildableDDP:
     had settled on, and a replacement receives it from the survivors.
     """
 
+    CARRIED = ("require_backward_grad_sync", "require_forward_param_sync", "training")
+
     def __init__(self, module: Any, init_sync: bool, options: Dict[str, Any],
                  layout: Optional[List[List[int]]] = None) -> None:
-        self.__dict__.update(_module=module, _options=options, _ddp=None, _layout=None)
+        object.__setattr__(self, "_peerstate", {"module": module, "options": options, "layout": None,
+                                                "released": False, "own_hooks": 0})
         self.rebuild(init_sync, layout)
 
     def rebuild(self, init_sync: bool = False, layout: Optional[List[List[int]]] = None) -> None:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
-        self.release()
+        built = self._peerstate
+        kept = {name: self.__dict__[name] for name in self.CARRIED if name in self.__dict__}
+        hooks = list(self.__dict__.get("_comm_hooks", []))[built["own_hooks"]:]  # the script's
         compute = dist._compute_bucket_assignment_by_size
         if layout:
             def settled(params: Any, limits: List[int], *args: Any, **kwargs: Any) -> Tuple[list, list]:
@@ -43,34 +56,44 @@ class RebuildableDDP:
 
             dist._compute_bucket_assignment_by_size = settled
         try:
-            self.__dict__["_ddp"] = DistributedDataParallel(self._module, init_sync=init_sync, **self._options)
+            DistributedDataParallel.__init__(self, built["module"], init_sync=init_sync, **built["options"])
         finally:
             dist._compute_bucket_assignment_by_size = compute
-        self.__dict__["_layout"] = layout
+        built.update(layout=layout, released=False, own_hooks=len(self._comm_hooks))
+        self.__dict__.update(kept)
+        for hook, state in hooks:
+            self.register_comm_hook(state, hook)
 
     def bucket_layout(self) -> Optional[List[List[int]]]:
         """The parameter indices of each bucket, as the DDP reduces them now."""
-        if self._ddp is None:
-            return self._layout
-        data = self._ddp._get_ddp_logging_data()
+        built = self._peerstate
+        if built["released"]:
+            return built["layout"]
+        data = self._get_ddp_logging_data()
         if not data.get("has_rebuilt_buckets"):
-            return self._layout
+            return built["layout"]
         return [[int(i) for i in bucket.split()] for bucket in data["rebuilt_per_bucket_param_indices"].split(",")]
 
     def release(self) -> None:
-        """Drop the DDP of an aborted group. Its reducer's gradient hooks are removed
-        now: the DDP may live on in reference cycles until the next gc, and its
-        hooks must not fire into the aborted group."""
-        if self._ddp is not None:
-            self.__dict__["_layout"] = self.bucket_layout()
-            self._ddp.reducer._remove_autograd_hooks()
-        self.__dict__["_ddp"] = None
+        """Detach from an aborted group until the next rebuild. Its reducer's gradient
+        hooks are removed now: they must not fire into the aborted group."""
+        built = self._peerstate
+        if not built["released"]:
+            built["layout"] = self.bucket_layout()
+            self.reducer._remove_autograd_hooks()
+            built["released"] = True
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._ddp(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_ddp"], name)
+_CONCRETE: List[type] = []
+
+
+def new_rebuildable_ddp(module: Any, init_sync: bool, options: Dict[str, Any],
+                        layout: Optional[List[List[int]]] = None) -> RebuildableDDP:
+    if not _CONCRETE:
+        from torch.nn.parallel import DistributedDataParallel
+
+        _CONCRETE.append(type("RebuildableDDP", (RebuildableDDP, DistributedDataParallel), {"__module__": __name__}))
+    return _CONCRETE[0](module, init_sync, options, layout)
 
 
 class DistributedWrappers:
@@ -91,7 +114,7 @@ class DistributedWrappers:
             key = keys.ddp_layout(epoch, len(self.ddps))
             self._kv.wait([key], timeout=timeout)
             layout = json.loads(self._kv.get(key))
-        wrapper = RebuildableDDP(model, init_sync=epoch == 0, options=options, layout=layout)
+        wrapper = new_rebuildable_ddp(model, init_sync=epoch == 0, options=options, layout=layout)
         self.ddps.append(wrapper)
         return wrapper
 
