@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from peerstate import BuddyPlacement, DataParallelShares, InvalidArgumentError, JobFailedError  # noqa: E402
+from peerstate.control import keys  # noqa: E402
 from peerstate.control.coordinator import Coordinator  # noqa: E402
 from peerstate.control.messages import MemberReport, RecoveryPlan  # noqa: E402
 from peerstate.control.planning import recovery_point, share_sources, sources_of  # noqa: E402
@@ -305,3 +306,18 @@ def test_every_member_needs_every_share_at_the_recovery_point():
                                    DataParallelShares(node_of_rank=[0, 0, 1, 1], count=2))
     assert version is None and lost == {0: "data-parallel share 0 has no surviving copy (its holders [0, 2] "
                                             "were all lost)"}
+
+
+def test_a_regroup_keeps_the_members_and_its_timeout_outlives_it(kv):
+    c = coordinator(kv)
+    first = c.regroup(0, "busy rank", writer="agent0", me="n0.1", collective_timeout=4.0)
+    assert (first.epoch, first.failed, first.replaced, first.members) == (1, [], {}, MEMBERS)
+    assert first.writer == "agent0" and first.collective_timeout == 4.0
+    # The other members that timed out ask too: epoch 1 began already, nothing more is written.
+    assert Coordinator(kv.clone()).regroup(0, "busy rank", writer="agent1", me="n1.0", collective_timeout=4.0) is None
+    assert kv.get(keys.epoch_plan(2)) is None
+    # The claim is not agent0's own: its report of a failure must not take epoch 1 for its claim.
+    assert kv.get(keys.epoch_owner(1)) == b"agent0/n0.1"
+    later = Coordinator(kv.clone()).report_failure(["n1.0"], "killed", detected_at=2.0, me="agent0")
+    assert later.epoch == 2 and later.collective_timeout == 4.0  # a failure keeps the regroup's timeout
+    assert RecoveryPlan.decode(later.encode()).collective_timeout == 4.0

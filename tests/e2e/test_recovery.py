@@ -224,6 +224,23 @@ def test_a_script_that_forms_its_own_default_group_is_told_what_to_remove(run, w
     assert "Job(backend=...)" in summary
 
 
+def test_a_busy_rank_is_not_a_dead_rank(run, reference):
+    # Rank 0 spends 3 s alone in step 6 (an evaluation) while the others wait in DDP's
+    # allreduce, whose gloo timeout is abort_timeout / 2 = 2 s: the job regroups with a
+    # 4 s timeout, replays step 6 (3 s again) and ends bitwise, every process still its own.
+    job = run(script_args=["--busy", "0:6:3", "--abort-timeout", "4", "--failure-grace", "2"])
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    [regroup] = job.events("regroup")
+    assert (regroup["waited"], regroup["collective_timeout"], regroup["step"]) == (2.0, 4.0, 6), regroup
+    [recovery] = recoveries(job)
+    assert recovery["failed"] == [], recovery
+    assert not job.events("spare_assigned"), job.describe()  # nobody was replaced
+    assert all(e["code"] == 0 for e in job.events("process_exited")), job.describe()
+    summary = "".join(log.read_text() for log in job.agent_logs) + job.text()
+    assert "Job(abort_timeout=4) / 2" in summary and "collective timeout of 4s" in summary, job.describe()
+
+
 def test_a_loop_that_cannot_leave_its_call_gives_its_rank_to_a_spare(run, reference):
     # Rank 0 sleeps at step 5 (as in a call no abort can wake) while rank 3 is killed.
     # The others wait for rank 0 in the new epoch; after abort_timeout rank 0 exits on

@@ -29,6 +29,9 @@ parser.add_argument("--subgroups", action="store_true",
 parser.add_argument("--hold", default=None, metavar="RANK:STEP",
                     help="RANK sleeps at the start of STEP, in its first life only (a call no abort wakes)")
 parser.add_argument("--abort-timeout", type=float, default=30.0)
+parser.add_argument("--failure-grace", type=float, default=20.0)
+parser.add_argument("--busy", default=None, metavar="RANK:STEP:SECONDS",
+                    help="RANK sleeps SECONDS inside STEP whenever it runs it (an evaluation on one rank)")
 parser.add_argument("--zero-grad-after-step", action="store_true",
                     help="zero the gradients after optimizer.step() (a common loop) instead of before backward")
 parser.add_argument("--seed-after-track", action="store_true",
@@ -48,11 +51,12 @@ if args.fail_at_import:
 torch.set_num_threads(1)
 if args.init_process_group == "before":
     torch.distributed.init_process_group("gloo")
-job = peerstate.Job(join_timeout=60.0, failure_grace=20.0, abort_timeout=args.abort_timeout,
+job = peerstate.Job(join_timeout=60.0, failure_grace=args.failure_grace, abort_timeout=args.abort_timeout,
                     data_parallel_shares=args.data_parallel_shares)
 if args.init_process_group == "after":
     torch.distributed.init_process_group("gloo")
 hold_rank, hold_step = map(int, args.hold.split(":")) if args.hold else (None, None)
+busy_rank, busy_step, busy_seconds = (float(v) for v in args.busy.split(":")) if args.busy else (None, None, 0)
 LAUNCH_VARIABLES = ("PEERSTATE_ROLE", "RANK", "LOCAL_RANK", "OMP_NUM_THREADS")
 print("environment before track:", " ".join(f"{v}={os.environ.get(v, '-')}" for v in LAUNCH_VARIABLES), flush=True)
 if args.read_rank_early:
@@ -124,6 +128,9 @@ for step in job.steps(args.steps):
         if job.rank == hold_rank and step == hold_step and job.recoveries == 0:
             print(f"rank {job.rank} holds at step {step}", flush=True)
             time.sleep(600)
+        if job.rank == busy_rank and step == busy_step:
+            print(f"rank {job.rank} busy for {busy_seconds}s in step {step}", flush=True)
+            time.sleep(busy_seconds)
         if args.subgroups:
             subgroup_collectives(step)
         generator = torch.Generator().manual_seed(1000 * step + job.rank)

@@ -174,7 +174,8 @@ class Coordinator:
                                                                    spare_timeout + writer_grace, "recovery plan"):
                 continue  # re-read: the winner's plan may or may not cover our failure
             replaced = self._assign_spares(epoch, failed, current, spare_timeout)
-            plan = RecoveryPlan(epoch, {}, replaced, failed, reason, detected_at, time.time(), me)
+            plan = RecoveryPlan(epoch, {}, replaced, failed, reason, detected_at, time.time(), me,
+                                current.collective_timeout)
             self.kv.set(keys.epoch_plan(epoch), plan.encode())
             for rank, worker in replaced.items():
                 self.kv.set(keys.assignment(worker), _assignment(epoch, rank))
@@ -182,6 +183,24 @@ class Coordinator:
             plan.members.update(replaced)
             self._latest = plan
             return plan
+
+    def regroup(self, seen: int, reason: str, *, writer: str, me: str,
+                collective_timeout: float) -> Optional[RecoveryPlan]:
+        """Start epoch ``seen`` + 1 with the same members and a gloo collective timeout of
+        ``collective_timeout`` (every member rolls back and re-forms its groups; nobody is
+        replaced). ``writer``: the agent whose node relay writes its instructions (the
+        caller's own); ``me``: the member asking. Returns None, writing nothing, when epoch
+        ``seen`` + 1 began already (another member asked first, or a failure was
+        declared): that epoch re-forms the groups as well."""
+        epoch = seen + 1
+        claim = f"{writer}/{me}".encode()  # not the agent's own name: its report_failure must not see it as its claim
+        if self.kv.compare_set(keys.epoch_owner(epoch), b"", claim) != claim:
+            return None
+        current = self.latest_plan()
+        plan = RecoveryPlan(epoch, {}, {}, [], reason, time.time(), time.time(), writer, collective_timeout)
+        self.kv.set(keys.epoch_plan(epoch), plan.encode())
+        plan.members = dict(current.members)
+        return plan
 
     def wait_or_take_over(self, epoch: int, done_key: str, me: str, timeout: float, what: str,
                           newer: Optional[Callable[[], bool]] = None, poll: float = 0.25) -> bool:

@@ -30,6 +30,9 @@ class RecoveryPlan:
     detected_at: float = 0.0
     planned_at: float = 0.0
     writer: str = ""  # the agent that owned the epoch when it wrote the plan (it writes the instructions)
+    # Seconds a gloo collective waits from this epoch on (0: the Job's own, abort_timeout / 2). A regroup
+    # (a collective timed out on a live, busy rank) doubles it; every other plan carries it over.
+    collective_timeout: float = 0.0
 
     def encode(self) -> bytes:
         data = {k: v for k, v in self.__dict__.items() if k != "members"}  # asdict would copy members first

@@ -20,8 +20,9 @@ def node_of_worker(worker: str) -> int:
 
 
 def node_of_agent(agent: str) -> Optional[int]:
-    """The node of an agent named ``agent{node}`` (None for any other writer name)."""
-    suffix = agent[len("agent"):]
+    """The node of an agent named ``agent{node}``, or of a claim made for it,
+    ``agent{node}/{worker}`` (None for any other writer name)."""
+    suffix = agent.split("/", 1)[0][len("agent"):]
     return int(suffix) if agent.startswith("agent") and suffix.isdigit() else None
 
 

@@ -70,6 +70,7 @@ from peerstate.worker.membership import EpochWatcher, Membership, MemberState
 from peerstate.worker.meshes import DeclaredMesh
 from peerstate.worker.process_groups import ProcessGroups, Subgroup, claim_default_group, release_default_group
 from peerstate.worker.rebuild import DistributedWrappers, RebuildableDDP
+from peerstate.worker.regroup import BusyPeerRegroup
 from peerstate.worker.report import RecoveryReport
 from peerstate.worker.restorer import Restorer
 from peerstate.worker.step_boundary import StepBoundary, StepGuard
@@ -106,7 +107,9 @@ class Job:
             ``abort_timeout / 2`` (a send gloo was writing when its peer died
             waits for that timeout whatever the abort does; see
             ``process_groups``): raise it if ranks wait longer on each other.
-            And a gloo group is created under ``abort_timeout / 10``: a member
+            A collective that times out while every rank lives (a busy rank)
+            makes the job regroup at the last common step with twice the
+            timeout, said on stderr (``regroup``). And a gloo group is created under ``abort_timeout / 10``: a member
             that dies inside the re-forming holds the others up to five times
             that (gloo's connect wait), again ``abort_timeout / 2``.
         data_parallel_shares: with ``track(data_parallel=True)``, how many shares the
@@ -172,6 +175,8 @@ class Job:
         self.joiner = EpochJoiner(self.membership, self.kv, self.channel, self.coordinator, self.groups, self.tracked,
                                   self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,
                                   self.placement, self.shares, env.world_size, join_timeout, failure_grace)
+        self.regroup = BusyPeerRegroup(self.coordinator, self.groups, self.events, f"agent{env.node}", env.worker,
+                                       abort_timeout, join_timeout)
         self.aborts = AbortHandler(self.membership, [self.groups.abort, self._abort_transfers], self.events,
                                    abort_timeout, on_abort=self.report.marks.clear)
         self.replication: Optional[Replication] = None
@@ -344,7 +349,7 @@ class Job:
             print(message, file=sys.stderr, flush=True)
             self.events.write("rng_changed_after_restore", rank=self.rank, step=self.next_step)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-        self._guard = StepGuard(self.joiner, self.boundary, self.membership, self.events)
+        self._guard = StepGuard(self.joiner, self.boundary, self.membership, self.events, self.regroup)
         return self._guard
 
     def wait_for_rank(self) -> int:

@@ -105,6 +105,7 @@ class EpochJoiner:
         if restore is not None and restore.source is not RestoreSource.CHECKPOINT and \
                 self.restorer.can_run(needs_state):
             rolling = Background(self.restorer.run, restore)
+        self.groups.collective_timeout = plan.collective_timeout or self.groups.default_collective_timeout
         try:
             self.groups.form(self.kv.torch_store, plan.epoch, rank, self.world_size, self.join_timeout)
             self.check_current(plan.epoch)

@@ -119,7 +119,8 @@ class ProcessGroups:
         whose peer died mid-rendezvous waits five times this. Only for members that
         reach form() together (see the module docstring). None: form()'s ``timeout``."""
         self.backend = backend
-        self.collective_timeout = collective_timeout
+        self.default_collective_timeout = collective_timeout
+        self.collective_timeout = collective_timeout  # this epoch's: a regroup's plan raises it
         self.connect_timeout = connect_timeout
         self.epoch: Optional[int] = None
         self._declared: List[Union[Subgroup, DeclaredMesh]] = []

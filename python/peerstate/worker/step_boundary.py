@@ -22,6 +22,7 @@ from peerstate.worker.tracked_state import TrackedState
 
 if TYPE_CHECKING:
     from peerstate.worker.joiner import EpochJoiner
+    from peerstate.worker.regroup import BusyPeerRegroup
 
 
 def publish_size(kv: KeyValueStore, rank: int, tracked: TrackedState) -> None:
@@ -138,8 +139,9 @@ class StepGuard:
     failure inside, once the coordinator declared it, becomes a recovery."""
 
     def __init__(self, joiner: "EpochJoiner", boundary: StepBoundary, membership: Membership,
-                 events: EventLog) -> None:
+                 events: EventLog, regroup: "BusyPeerRegroup") -> None:
         self._joiner, self._boundary, self._membership, self._events = joiner, boundary, membership, events
+        self._regroup = regroup
 
     def __enter__(self) -> None:
         self.started = time.monotonic()
@@ -158,7 +160,8 @@ class StepGuard:
         elif exc_type is not None:
             if not issubclass(exc_type, Exception):
                 return False  # KeyboardInterrupt, SystemExit
-            if not joiner.failure_declared(epoch):
+            if not joiner.failure_declared(epoch) and \
+                    not self._regroup.after(exc, joiner.watcher, epoch, self._membership.rank, step):
                 return False  # no failure was declared: a genuine error in the loop
         self._events.write("step_interrupted", step=step, epoch=epoch,
                            error=f"{exc_type.__name__}: {str(exc)[:200]}" if exc_type else None)
