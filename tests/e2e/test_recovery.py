@@ -301,6 +301,35 @@ def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, ref
         assert "data-parallel share 0 has no surviving copy" in fallback["message"], fallback
 
 
+def test_a_new_job_resumes_from_the_newest_checkpoint_of_the_same_directory(run, reference, tmp_path):
+    # A first job stops after step 19 (checkpoints of steps 0, 5, 10 and 15); a new job with the
+    # same --checkpoint-dir goes on at step 16 and ends as the fault-free 40-step run, bit for bit.
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "5"]
+    first = run(nodes=[(2, 0), (2, 0)], steps=20, agent_args=FAST + checkpoints)
+    assert first.wait() == [0, 0], first.describe()
+    second = run(nodes=[(2, 0), (2, 0)], agent_args=FAST + checkpoints)
+    assert second.wait() == [0, 0], second.describe()
+    assert_bitwise(second, reference)
+    resumed = second.events("resumed")
+    assert sorted(e["rank"] for e in resumed) == [0, 1, 2, 3] and {e["step"] for e in resumed} == {15}, resumed
+    first_steps = re.findall(r"^rank 0 step (\d+)", second.text(), re.M)
+    assert first_steps[0] == "16", first_steps[:3]
+    assert "resumed from the disk checkpoint of step 15" in second.text(), second.describe()
+
+
+def test_a_checkpoint_that_does_not_fit_the_new_job_stops_it_with_what_to_do(run, tmp_path):
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "5"]
+    first = run(nodes=[(2, 0)], steps=6, agent_args=FAST + checkpoints)
+    assert first.wait() == [0], first.describe()
+    second = run(nodes=[(2, 0)], steps=12, agent_args=FAST + checkpoints, script_args=["--width", "32"])
+    assert second.wait() == [1], second.describe()
+    summary = second.agent_logs[0].read_text()
+    assert "could not load the disk checkpoint" in summary and "step_000000005: " in summary, summary
+    assert "Size mismatch" in summary, summary  # DCP's cause, not its traceback
+    assert "give the job another --checkpoint-dir" in summary, summary
+    assert not re.search(r"^rank \d step", second.text(), re.M), "a step ran from a checkpoint that did not fit"
+
+
 def test_fsdp2_shards_recover_bitwise(run, tmp_path_factory):
     """FSDP2 (fully_shard) over gloo: each rank snapshots and replicates its own shard; the
     replacement of rank 2 receives rank 2's shard, and every shard ends as in a fault-free run."""

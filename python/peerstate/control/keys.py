@@ -119,6 +119,10 @@ def process_group_prefix(epoch: int) -> str:
     return f"pg/{epoch}/"
 
 
+# The disk checkpoint a new job resumes from, as the first member to look found it ("" for none).
+RESUME = "job/resume"
+
+
 def replica_bytes(rank: int) -> str:
     return f"bytes/{rank}"
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Optional, Tuple
 
+from peerstate.errors import InvalidArgumentError
+from peerstate.worker.rebuild import DistributedWrappers
 from peerstate.worker.tracked_state import TrackedState
 
 
@@ -23,10 +25,14 @@ def latest_checkpoint(directory: Optional[str]) -> Optional[Tuple[int, str]]:
 
 
 class DiskCheckpoints:
-    """This rank's checkpoints of ``tracked`` under ``directory`` (None: none are written)."""
+    """This rank's checkpoints of ``tracked`` under ``directory`` (None: none are written),
+    with the bucket layouts of ``wrappers``' DDPs: a job that resumes from one builds
+    its DDPs with them, as a recovery does (``RebuildableDDP`` says why)."""
 
-    def __init__(self, tracked: TrackedState, directory: Optional[str], every: int) -> None:
+    def __init__(self, tracked: TrackedState, wrappers: DistributedWrappers, directory: Optional[str],
+                 every: int) -> None:
         self.tracked = tracked
+        self.wrappers = wrappers
         self.directory = directory
         self.every = every
 
@@ -41,11 +47,23 @@ class DiskCheckpoints:
 
         for store in self.tracked.all_stores():
             store.wait()
-        dcp.save(self.tracked.checkpoint_state(rank), checkpoint_id=os.path.join(self.directory, f"step_{step:09d}"))
+        state = self.tracked.checkpoint_state(rank)
+        state[f"rank{rank}/ddp_layouts"] = [wrapper.bucket_layout() for wrapper in self.wrappers.ddps]
+        dcp.save(state, checkpoint_id=os.path.join(self.directory, f"step_{step:09d}"))
 
     def load(self, path: str, step: int, rank: int) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         state = self.tracked.checkpoint_state(rank)
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        state[f"rank{rank}/ddp_layouts"] = []
+        try:
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+        except (Exception, CheckpointException) as error:  # noqa: BLE001 - several types for a misfit
+            cause = (str(error).strip().splitlines() or [type(error).__name__])[-1]  # DCP's ends with the cause
+            raise InvalidArgumentError(
+                f"rank {rank} could not load the disk checkpoint {path}: {cause}. A checkpoint fits a job with "
+                "the same world size, the same tracked state and the same data_parallel setting; to start "
+                "afresh, give the job another --checkpoint-dir.") from None
         self.tracked.apply_checkpoint(state, rank, step)
+        self.wrappers.saved_layouts = state[f"rank{rank}/ddp_layouts"]

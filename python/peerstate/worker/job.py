@@ -51,7 +51,7 @@ import math
 import os
 import sys
 import warnings
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
@@ -165,13 +165,14 @@ class Job:
                                     connect_timeout=abort_timeout / 10)
         self.membership = Membership(env.worker, spare=env.spare)
         self.tracked = TrackedState(self.shares, versions, snapshot_threads)
-        checkpoints = DiskCheckpoints(self.tracked, checkpoint_dir or env.checkpoint_dir,
-                                      checkpoint_every or env.checkpoint_every)
+        self.wrappers = DistributedWrappers(self.kv)
+        self.checkpoints = checkpoints = DiskCheckpoints(self.tracked, self.wrappers,
+                                                         checkpoint_dir or env.checkpoint_dir,
+                                                         checkpoint_every or env.checkpoint_every)
         self.report = RecoveryReport(self.kv, self.coordinator, self.events, env.events, env.world_size)
         self.boundary = StepBoundary(self.membership, self.tracked, self.kv, self.placement, checkpoints, self.report,
                                      self.progress, snapshot_every, join_timeout)
         self.restorer = Restorer(self.membership, self.tracked, checkpoints, self.report)
-        self.wrappers = DistributedWrappers(self.kv)
         self.joiner = EpochJoiner(self.membership, self.kv, self.channel, self.coordinator, self.groups, self.tracked,
                                   self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,
                                   self.placement, self.shares, env.world_size, join_timeout, failure_grace)
@@ -290,19 +291,43 @@ class Job:
         self.tracked.track(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
                            extras=extras or {}, data_parallel=data_parallel)
         self.wrappers.model = model
-        if self.membership.needs_state:
-            if optimizer is not None and not optimizer.state:
-                from torch.distributed.checkpoint.state_dict import _init_optim_state
+        resume = self._resume_point()
+        if (self.membership.needs_state or resume) and optimizer is not None and not optimizer.state:
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-                _init_optim_state(optimizer)
+            _init_optim_state(optimizer)  # what a restore writes into must exist
+        if self.membership.needs_state:
             self.tracked.register(self.rank)  # allocates too: a recovery should not fault memory in
             if self.replication is not None:
                 self.boundary.replication_serves_shares()
+        elif resume:
+            self.boundary.register()
+            try:
+                self.checkpoints.load(resume[1], resume[0], self.rank)
+            except InvalidArgumentError as error:  # every rank, and any replacement, would fail the same
+                raise InvalidArgumentError(self.coordinator.fail_job(str(error))) from None
+            self.joiner.next_step = resume[0] + 1
+            self.tracked.remember_rng()  # Job.guard says so if a seed after track() replaces what was loaded
+            self.events.write("resumed", rank=self.rank, step=resume[0], path=resume[1])
+            if self.rank == 0:
+                print(f"peerstate: resumed from the disk checkpoint of step {resume[0]} ({resume[1]}); the loop "
+                      f"goes on at step {resume[0] + 1}", file=sys.stderr, flush=True)
         if optimizer is not None:
             optimizer.register_step_pre_hook(lambda *_: self.boundary.start_replication())
         self.wait_for_rank()
         if self.restorer.pending is not None:
             self.restorer.restore_pending()
+
+    def _resume_point(self) -> Optional[Tuple[int, str]]:
+        """A new job's (step, path) to resume from: the newest complete checkpoint in
+        its checkpoint directory, as the first member to look found it (so every
+        member loads the same one). None for a replacement or a job under way."""
+        checkpoints = self.checkpoints
+        if not checkpoints.directory or self.membership.replacement or self.recoveries or self.next_step:
+            return None
+        found = checkpoints.latest()
+        step_and_path = json.loads(self.kv.compare_set(keys.RESUME, b"", json.dumps(found or "").encode()))
+        return (int(step_and_path[0]), step_and_path[1]) if step_and_path else None
 
     @property
     def extras(self) -> Dict[str, Any]:
@@ -311,7 +336,8 @@ class Job:
         return self.tracked.extras
 
     def steps(self, total: int) -> Iterator[int]:
-        """Yield step numbers from where the job stands to ``total`` - 1, recovering
+        """Yield step numbers from where the job stands (0, or the step after the disk
+        checkpoint a new job resumed from in ``track()``) to ``total`` - 1, recovering
         between steps when a failure was caught by ``guard``."""
         while True:
             if self.membership.state is MemberState.RECOVERING or self.watcher.latest.epoch != self.epoch:

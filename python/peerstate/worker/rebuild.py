@@ -104,12 +104,15 @@ class DistributedWrappers:
         self._kv = kv
         self.ddps: List[RebuildableDDP] = []
         self.model: Any = None
+        self.saved_layouts: List[Optional[List[List[int]]]] = []  # from the disk checkpoint a job resumed from
 
     def wrap(self, model: Any, options: Dict[str, Any], epoch: int, replacement: bool,
              timeout: float) -> RebuildableDDP:
         """A new DDP of ``model``. A replacement skips DDP's initial broadcast (its
-        state arrives from the buddies) and takes the layout the survivors published."""
-        layout = None
+        state arrives from the buddies) and takes the layout the survivors published;
+        in a job that resumed from a disk checkpoint, the layout comes from there."""
+        index = len(self.ddps)
+        layout = self.saved_layouts[index] if index < len(self.saved_layouts) else None
         if replacement:
             key = keys.ddp_layout(epoch, len(self.ddps))
             self._kv.wait([key], timeout=timeout)

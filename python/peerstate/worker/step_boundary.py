@@ -77,10 +77,7 @@ class StepBoundary:
         if self._progress:
             self._progress.set_step(step)
         if not self.tracked.registered:
-            self.tracked.register(self.rank)
-            self.replication_serves_shares()
-            publish_size(self._kv, self.rank, self.tracked)
-            reserve_replicas(self._kv, self.replication, self._placement, self.rank, self._join_timeout)
+            self.register()
         if self.capture and step % self.snapshot_every == 0:
             self.start_replication()  # no optimizer hook ran (no optimizer tracked)
             for store in self.tracked.snapshotted(self.rank):
@@ -89,6 +86,14 @@ class StepBoundary:
         if self._checkpoints.due(step):
             self._checkpoints.save(step, self.rank)
         report.end_step(step, seconds, epoch, self.rank)
+
+    def register(self) -> None:
+        """Register the tracked state with the stores, serve it and reserve the replicas
+        this rank holds (at the first boundary, or before a resume loads into it)."""
+        self.tracked.register(self.rank)
+        self.replication_serves_shares()
+        publish_size(self._kv, self.rank, self.tracked)
+        reserve_replicas(self._kv, self.replication, self._placement, self.rank, self._join_timeout)
 
     def replication_serves_shares(self) -> None:
         """Serve (and pull into) every data-parallel share store from this rank's one endpoint."""
