@@ -66,8 +66,9 @@ def test_fewer_versions_than_a_recovery_can_need_are_refused():
         peerstate.Job(versions=3)
 
 
-@pytest.mark.parametrize("script_args", [[], ["--data-parallel"], ["--data-parallel", "--data-parallel-shares", "1"]],
-                         ids=["replicated", "data-parallel", "data-parallel-full-copies"])
+@pytest.mark.parametrize("script_args", [[], ["--data-parallel"], ["--data-parallel", "--data-parallel-shares", "1"],
+                                         ["--step-function"]],
+                         ids=["replicated", "data-parallel", "data-parallel-full-copies", "step-function"])
 def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
     job = run(script_args=script_args)
     job.wait_for_step(2, 10)

@@ -10,6 +10,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import peerstate
@@ -42,6 +43,8 @@ parser.add_argument("--undeclared-group", action="store_true",
                     help="create a group with torch.distributed.new_group after track(), which peerstate cannot abort")
 parser.add_argument("--init-process-group", choices=["before", "after"], default=None,
                     help="call torch.distributed.init_process_group before or after peerstate.Job()")
+parser.add_argument("--step-function", action="store_true",
+                    help="run each step through the job.guarded decorator instead of `with job.guard():`")
 parser.add_argument("--report-ports", action="store_true",
                     help="at the end, print how many TCP ports this process listens on at PEERSTATE_HOST")
 args = parser.parse_args()
@@ -65,8 +68,6 @@ if args.fsdp:
     job.wait_for_rank()  # fully_shard needs the process group: a spare builds its model once picked
 if args.subgroups:  # long timeouts: only an abort gets a blocked member out in time
     import datetime
-
-    import torch.distributed as dist
 
     pair_1_3 = job.new_group([1, 3], timeout=datetime.timedelta(seconds=600))
     pair_0_1 = job.new_group([0, 1], timeout=datetime.timedelta(seconds=600))
@@ -116,36 +117,43 @@ job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=a
 if args.seed_after_track:
     torch.manual_seed(job.rank)
 if args.undeclared_group:
-    import torch.distributed as dist
-
     dist.new_group([0, 1])
 print("environment after track:", " ".join(f"{v}={os.environ.get(v, '-')}" for v in LAUNCH_VARIABLES), flush=True)
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
 ddp = model if args.fsdp else job.ddp(model)
 
+
+def train_step(step):
+    if job.rank == hold_rank and step == hold_step and job.recoveries == 0:
+        print(f"rank {job.rank} holds at step {step}", flush=True)
+        time.sleep(600)
+    if job.rank == busy_rank and step == busy_step:
+        print(f"rank {job.rank} busy for {busy_seconds}s in step {step}", flush=True)
+        time.sleep(busy_seconds)
+    if args.subgroups:
+        subgroup_collectives(step)
+    generator = torch.Generator().manual_seed(1000 * step + job.rank)
+    x = torch.randn(32, 16, generator=generator)
+    y = torch.randn(32, 4, generator=generator)
+    noise = torch.randn(32, 4) * 0.01  # draws from the global RNG: its state must be restored too
+    loss = F.mse_loss(ddp(x) + noise, y)
+    if not args.zero_grad_after_step:
+        optimizer.zero_grad()
+    loss.backward()
+    time.sleep(args.step_seconds)
+    optimizer.step()
+    scheduler.step()
+    if args.zero_grad_after_step:
+        optimizer.zero_grad()
+
+
+guarded_step = job.guarded(train_step)
 for step in job.steps(args.steps):
-    with job.guard():
-        if job.rank == hold_rank and step == hold_step and job.recoveries == 0:
-            print(f"rank {job.rank} holds at step {step}", flush=True)
-            time.sleep(600)
-        if job.rank == busy_rank and step == busy_step:
-            print(f"rank {job.rank} busy for {busy_seconds}s in step {step}", flush=True)
-            time.sleep(busy_seconds)
-        if args.subgroups:
-            subgroup_collectives(step)
-        generator = torch.Generator().manual_seed(1000 * step + job.rank)
-        x = torch.randn(32, 16, generator=generator)
-        y = torch.randn(32, 4, generator=generator)
-        noise = torch.randn(32, 4) * 0.01  # draws from the global RNG: its state must be restored too
-        loss = F.mse_loss(ddp(x) + noise, y)
-        if not args.zero_grad_after_step:
-            optimizer.zero_grad()
-        loss.backward()
-        time.sleep(args.step_seconds)
-        optimizer.step()
-        scheduler.step()
-        if args.zero_grad_after_step:
-            optimizer.zero_grad()
+    if args.step_function:  # the decorator: the loop body needs no `with`
+        guarded_step(step)
+    else:
+        with job.guard():
+            train_step(step)
     if args.trace:
         digest = sum(float((p.to_local() if args.fsdp else p).double().sum()) for p in model.parameters())
         print(f"rank {job.rank} step {step} params {digest!r} lr {optimizer.param_groups[0]['lr']!r}", flush=True)

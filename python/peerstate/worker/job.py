@@ -46,12 +46,13 @@ so that a replayed step sees the same data.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import math
 import os
 import sys
 import warnings
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
@@ -377,6 +378,26 @@ class Job:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         self._guard = StepGuard(self.joiner, self.boundary, self.membership, self.events, self.regroup)
         return self._guard
+
+    def guarded(self, step_function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: every call runs in ``guard()``. For a loop whose body moves into a
+        function as it is, without re-indenting it under a ``with``::
+
+            @job.guarded
+            def train_step(step):
+                ...                                # the old loop body, unchanged
+            for step in job.steps(total_steps):
+                train_step(step)
+
+        A call returns the function's result, or None when a failure interrupted it
+        (the step is then replayed by the recovery). Names the body rebinds across
+        steps need ``global`` (or ``job.extras``) there, as in any function."""
+        @functools.wraps(step_function)
+        def run_guarded(*args: Any, **kwargs: Any) -> Any:
+            with self.guard():
+                return step_function(*args, **kwargs)
+
+        return run_guarded
 
     def wait_for_rank(self) -> int:
         """A spare: block until a plan gives this process a rank (a worker returns at
