@@ -242,6 +242,31 @@ def test_a_busy_rank_is_not_a_dead_rank(run, reference):
     assert "Job(abort_timeout=4) / 2" in summary and "collective timeout of 4s" in summary, job.describe()
 
 
+def test_a_rank_killed_after_its_last_step_ends_the_job_normally(run, reference):
+    job = run(script_args=["--sleep-after-loop", "3"])
+    job.wait_for(lambda: "rank 2 done at step 40" in job.text(), "rank 2 to finish its loop")
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert [e["rank"] for e in job.events("exited_after_last_step")] == [2], job.describe()
+    assert not job.events("failure_detected") and not recoveries(job)
+    summary = "".join(log.read_text() for log in job.agent_logs)
+    assert "rank 2 (n1.0) was killed by SIGKILL after its last step" in summary, summary
+
+
+def test_a_failure_after_other_ranks_finished_stops_at_once_and_says_why(run):
+    # Rank 2 stops after the collectives of the last step, so the others finish and leave
+    # their loop: its replay would need them. The job stops at once, not at the join timeout.
+    job = run(script_args=["--hold-after", f"2:{STEPS - 1}"])
+    job.wait_for(lambda: "rank 0 done at step 40" in job.text(), "rank 0 to finish its loop")
+    job.wait_for(lambda: "rank 2 holds after step" in job.text(), "rank 2 to hold")
+    job.kill_rank(2)
+    assert job.wait(timeout=30) == [1, 1], job.describe()
+    summary = "".join(log.read_text() for log in job.agent_logs)
+    assert "had finished their last step: they have left the training loop" in summary, summary
+    assert not recoveries(job)
+
+
 def test_a_loop_that_cannot_leave_its_call_gives_its_rank_to_a_spare(run, reference):
     # Rank 0 sleeps at step 5 (as in a call no abort can wake) while rank 3 is killed.
     # The others wait for rank 0 in the new epoch; after abort_timeout rank 0 exits on

@@ -29,6 +29,9 @@ parser.add_argument("--subgroups", action="store_true",
                     help="each step, an allreduce in subgroups [1, 3] then [0, 1] before the DDP step")
 parser.add_argument("--hold", default=None, metavar="RANK:STEP",
                     help="RANK sleeps at the start of STEP, in its first life only (a call no abort wakes)")
+parser.add_argument("--hold-after", default=None, metavar="RANK:STEP",
+                    help="RANK sleeps at the end of STEP, after its collectives and optimizer step (first life only)")
+parser.add_argument("--sleep-after-loop", type=float, default=0.0, help="seconds between the loop and close()")
 parser.add_argument("--abort-timeout", type=float, default=30.0)
 parser.add_argument("--failure-grace", type=float, default=20.0)
 parser.add_argument("--busy", default=None, metavar="RANK:STEP:SECONDS",
@@ -59,6 +62,7 @@ job = peerstate.Job(join_timeout=60.0, failure_grace=args.failure_grace, abort_t
 if args.init_process_group == "after":
     torch.distributed.init_process_group("gloo")
 hold_rank, hold_step = map(int, args.hold.split(":")) if args.hold else (None, None)
+late_rank, late_step = map(int, args.hold_after.split(":")) if args.hold_after else (None, None)
 busy_rank, busy_step, busy_seconds = (float(v) for v in args.busy.split(":")) if args.busy else (None, None, 0)
 LAUNCH_VARIABLES = ("PEERSTATE_ROLE", "RANK", "LOCAL_RANK", "OMP_NUM_THREADS")
 print("environment before track:", " ".join(f"{v}={os.environ.get(v, '-')}" for v in LAUNCH_VARIABLES), flush=True)
@@ -145,6 +149,9 @@ def train_step(step):
     scheduler.step()
     if args.zero_grad_after_step:
         optimizer.zero_grad()
+    if job.rank == late_rank and step == late_step and job.recoveries == 0:
+        print(f"rank {job.rank} holds after step {step}", flush=True)
+        time.sleep(600)
 
 
 guarded_step = job.guarded(train_step)
@@ -168,6 +175,7 @@ elif args.out and job.rank == 0:
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out + ".tmp")
     os.replace(args.out + ".tmp", args.out)
 print(f"rank {job.rank} done at step {job.next_step}, {job.recoveries} recoveries", flush=True)
+time.sleep(args.sleep_after_loop)
 if args.report_ports:
     host = os.environ["PEERSTATE_HOST"]
     print(f"rank {job.rank} listens on {len(listening_ports(host))} ports at {host}", flush=True)

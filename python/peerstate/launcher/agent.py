@@ -308,6 +308,7 @@ class Agent:
     def _exited(self, process: WorkerProcess, code: int) -> None:
         detected_at = time.time()
         del self.processes[process.worker]
+        finished = process.counter.read()[1] == progress_file.FINISHED  # it had left its steps() loop
         process.counter.close()
         process.exit_watch.close()
         os.unlink(process.counter.path)
@@ -315,6 +316,14 @@ class Agent:
         self.events.write("process_exited", worker=process.worker, rank=process.rank, code=code, how=how)
         if self._stopping or (code == 0 and process.rank is not None) or self.coordinator.failure():
             return  # a worker that stops because the job failed is not a new failure
+        if finished and process.rank is not None:
+            # Its state is final and counted; the others never wait on it again. Only what its
+            # script does after the loop (saving, evaluating) did not run: said, not recovered.
+            print(f"peerstate: rank {process.rank} ({process.worker}) {how} after its last step, in close() or "
+                  "later: not recovered (its training is complete), but what its script does after the loop may "
+                  f"not have run. Last lines of {process.log}:\n{log_tail(process.log)}", file=sys.stderr, flush=True)
+            self.events.write("exited_after_last_step", worker=process.worker, rank=process.rank, code=code)
+            return
         ready = True
         if process.rank is None:
             ready = self.kv.get(keys.spare_state(process.worker)) is not None  # it reached track()'s wait
@@ -353,6 +362,16 @@ class Agent:
         """Write the recovery plan off the watch loop (waiting for a spare takes a while)."""
         self.events.write("failure_detected", workers=workers, reason=reason, detected_at=detected_at)
         print(f"peerstate: {reason}", file=sys.stderr, flush=True)
+        finished = self.kv.add(keys.JOB_FINISHED, 0)
+        if finished >= self.world_size:
+            return  # every rank finished: nothing is left to recover
+        if finished:
+            # A recovery replays from the last common step with every member; a finished one has
+            # left its loop and would never join. Stopping now beats waiting out the join timeout.
+            self._fail(f"{reason} after {finished} of the job's {self.world_size} ranks had finished their last "
+                       "step: they have left the training loop, so the step it was in cannot be replayed with them. "
+                       "What the finished ranks wrote after their loop stands; this rank's last steps are lost")
+            return
 
         def report() -> None:
             try:

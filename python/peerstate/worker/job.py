@@ -352,6 +352,8 @@ class Job:
         self.membership.move(MemberState.FINISHED)
         self.boundary.drain()
         self.report.finish(total, self.epoch)
+        if self.progress:
+            self.progress.finish()  # counted as finished: its death from here on is not a failure
 
     def guard(self) -> StepGuard:
         """Context manager for one step's body: a failure inside becomes a recovery."""
