@@ -21,6 +21,7 @@ import peerstate
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=100)
 parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (divides the world size)")
+parser.add_argument("--width", type=int, default=128, help="the hidden layers' width")
 parser.add_argument("--out", default=None, help="a folder: each rank writes its final shards there")
 parser.add_argument("--step-seconds", type=float, default=0.0, help="extra time per step, to watch faults land")
 args = parser.parse_args()
@@ -30,7 +31,7 @@ job = peerstate.Job()
 mesh = job.device_mesh(device_type, (job.world_size // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
 
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+model = torch.nn.Sequential(torch.nn.Linear(32, args.width), torch.nn.GELU(), torch.nn.Linear(args.width, 32))
 job.wait_for_rank()  # parallelize_module and fully_shard need the mesh's groups
 if device_type == "cuda":
     model.to(torch.cuda.current_device())

@@ -20,6 +20,7 @@ import peerstate
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=100)
+parser.add_argument("--width", type=int, default=128, help="the hidden layers' width")
 parser.add_argument("--out", default=None, help="a folder: each rank writes its final shards there")
 parser.add_argument("--step-seconds", type=float, default=0.0, help="extra time per step, to watch faults land")
 args = parser.parse_args()
@@ -30,7 +31,7 @@ job = peerstate.Job()
 mesh = job.device_mesh(device_type, (2, job.world_size // 2), mesh_dim_names=("replicate", "shard"))
 
 torch.manual_seed(0)  # before track(): a replacement's restored RNG state must not be overwritten
-model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32),
+model = torch.nn.Sequential(torch.nn.Linear(32, args.width), torch.nn.GELU(), torch.nn.Linear(args.width, 32),
                             torch.nn.GELU(), torch.nn.Linear(32, 8))
 job.wait_for_rank()  # fully_shard needs the mesh: a spare shards its model once it has a rank
 if device_type == "cuda":

@@ -20,11 +20,12 @@ import peerstate
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=100)
+parser.add_argument("--width", type=int, default=64, help="the hidden layers' width")
 parser.add_argument("--out", default=None, help="a folder: each rank writes its final stage there")
 parser.add_argument("--step-seconds", type=float, default=0.0, help="extra time per step, to watch faults land")
 args = parser.parse_args()
 
-BATCH, MICROBATCHES, WIDTH = 16, 4, 64
+BATCH, MICROBATCHES, WIDTH = 16, 4, args.width
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 job = peerstate.Job()
 mesh = job.device_mesh(device.type, (job.world_size // 2, 2), mesh_dim_names=("dp", "pp"))

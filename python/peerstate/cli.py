@@ -9,9 +9,21 @@ from typing import List, Optional
 
 
 def _run(args: argparse.Namespace) -> int:
+    import os
+
     from peerstate.launcher.agent import Agent, AgentConfig
+    from peerstate.launcher.cluster_env import slurm_defaults
     from peerstate.errors import Error
 
+    try:
+        for name, value in slurm_defaults(os.environ).items():
+            if getattr(args, name) is None:  # a flag on the command line wins
+                setattr(args, name, value)
+    except Error as error:
+        print(f"peerstate run: {error}", file=sys.stderr)
+        return 2
+    args.nnodes = 1 if args.nnodes is None else args.nnodes
+    args.node_rank = 0 if args.node_rank is None else args.node_rank
     if args.store is None:
         if args.nnodes > 1:
             print("peerstate run: --nnodes > 1 needs --store HOST:PORT (node 0 hosts the store there)",
@@ -68,9 +80,11 @@ def parser() -> argparse.ArgumentParser:
                     "script, replaces a failed worker with a spare and recovers the job in place.")
     run.add_argument("--nproc-per-node", type=int, required=True, help="workers on this node")
     run.add_argument("--spares", type=int, default=0, help="hot spares kept ready on this node (0..nproc-per-node)")
-    run.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
-    run.add_argument("--node-rank", type=int, default=0, help="this node's index (node 0 hosts the store)")
-    run.add_argument("--store", default=None, help="HOST:PORT of the job's store (node 0 binds it; port 0 = any)")
+    run.add_argument("--nnodes", type=int, default=None, help="nodes in the job (default: SLURM_NNODES, else 1)")
+    run.add_argument("--node-rank", type=int, default=None,
+                     help="this node's index, node 0 hosts the store (default: SLURM_NODEID, else 0)")
+    run.add_argument("--store", default=None, help="HOST:PORT of the job's store (node 0 binds it; port 0 = any; "
+                     "under Slurm: the first host of SLURM_JOB_NODELIST, port 29400)")
     run.add_argument("--host", default="127.0.0.1", help="address this node's replication servers listen on")
     run.add_argument("--log-dir", default="peerstate-logs", help="worker logs and events.jsonl")
     run.add_argument("--hang-timeout", type=float, default=10.0, help="seconds without progress before a "

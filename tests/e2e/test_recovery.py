@@ -80,7 +80,8 @@ def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
     assert set(recovery["phases_s"]) == {"detect", "plan", "abort", "re-form", "transfer", "restore", "first step"}
     assert all(v is not None and v >= 0 for v in recovery["phases_s"].values())
     [end] = job.events("job_end")
-    assert end["steps"] == STEPS and 0 < end["goodput"] <= 1
+    assert end["steps"] == STEPS and 0 < end["goodput"] < 1 and end["recoveries"] == 1
+    assert end["lost_s"] >= recovery["total_s"] and end["goodput"] == pytest.approx(1 - end["lost_s"] / end["wall_s"])
     # torchrun's environment: the spare (slot 2 of node 0) has a provisional LOCAL_RANK and no
     # RANK before track(), rank 2's after; every process gets OMP_NUM_THREADS=1.
     spare_log = (job.logs / "n0.2.log").read_text()
@@ -223,6 +224,17 @@ def test_a_script_that_forms_its_own_default_group_is_told_what_to_remove(run, w
         assert "It failed in init_process_group()" in summary, job.describe()
     assert "remove the script's torch.distributed.init_process_group() call" in summary, job.describe()
     assert "Job(backend=...)" in summary
+
+
+def test_a_long_step_without_a_failure_is_not_lost_time(run):
+    # Rank 0 spends 2 s in step 5 (an evaluation), within the collective timeout: goodput
+    # counts only time lost to failures, so this run's is 100% (the old measure, steps x
+    # median step / wall, said ~50%).
+    job = run(nodes=[(2, 0), (2, 0)], script_args=["--busy", "0:5:2"])
+    assert job.wait() == [0, 0], job.describe()
+    [end] = job.events("job_end")
+    assert (end["goodput"], end["lost_s"], end["recoveries"]) == (1.0, 0.0, 0), end
+    assert end["wall_s"] > 2 + STEPS * end["median_step_s"] * 0.5, end
 
 
 def test_a_busy_rank_is_not_a_dead_rank(run, reference):

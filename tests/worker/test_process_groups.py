@@ -252,6 +252,7 @@ def test_a_group_created_outside_peerstate_is_found(groups):
     assert groups.undeclared() == []
     direct = dist.new_group([0])
     assert groups.undeclared() == [direct]
+    assert groups.describe_undeclared().startswith("process groups were created outside peerstate: ranks [0]. ")
     groups.destroy()
     groups.form(kv.torch_store, 1, rank=0, world_size=1, timeout=10)
     assert groups.undeclared() == []

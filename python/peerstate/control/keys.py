@@ -115,6 +115,11 @@ def marks_done(epoch: int) -> str:
     return f"epoch/{epoch}/marks_done"
 
 
+def recovery_seconds(epoch: int) -> str:
+    """Epoch ``epoch``'s recovery, from the fault to its first step's end (the job's lost time)."""
+    return f"epoch/{epoch}/recovery_s"
+
+
 def process_group_prefix(epoch: int) -> str:
     return f"pg/{epoch}/"
 

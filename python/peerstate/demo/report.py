@@ -25,8 +25,9 @@ def summary(report: dict) -> str:
         lines.append(f"    {phases}")
     end = report.get("job_end") or {}
     if end:
-        lines.append(f"goodput of the run: {end['goodput']:.1%} ({end['steps']} steps in {end['wall_s']:.1f}s; a "
-                     f"fault-free step takes {end['median_step_s']:.3f}s)")
+        lines.append(f"goodput of the run: {end['goodput']:.1%} ({end['steps']} steps in {end['wall_s']:.1f}s, of "
+                     f"which {end['lost_s']:.2f}s lost to failures; a fault-free step takes "
+                     f"{end['median_step_s']:.3f}s)")
     baseline = report["restart_baseline"]
     parts = ", ".join(f"{k} {v:.2f}s" for k, v in baseline["phases_s"].items())
     lines.append(f"restart from a checkpoint on local disk, same state: {baseline['total_s']:.2f}s to the first "

@@ -333,7 +333,8 @@ class Agent:
         who = f"hot spare {process.worker}" if process.rank is None else f"rank {process.rank} ({process.worker})"
         if code > 0 and not process.ticked:
             tail = log_tail(process.log)
-            hint = f"\nIt failed in init_process_group(): {SCRIPT_DEFAULT_GROUP}" if "init_process_group" in tail else ""
+            hint = f"\nIt failed in init_process_group(): {SCRIPT_DEFAULT_GROUP}" if "init_process_group" in tail \
+                else ""
             self._fail(f"{who} {how} before it reached peerstate.Job(), in {' '.join(self.config.script)}: the "
                        f"script fails at start-up. Last lines of {process.log}:\n{tail}{hint}")
             return

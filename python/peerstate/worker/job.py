@@ -110,9 +110,10 @@ class Job:
             ``process_groups``): raise it if ranks wait longer on each other.
             A collective that times out while every rank lives (a busy rank)
             makes the job regroup at the last common step with twice the
-            timeout, said on stderr (``regroup``). And a gloo group is created under ``abort_timeout / 10``: a member
-            that dies inside the re-forming holds the others up to five times
-            that (gloo's connect wait), again ``abort_timeout / 2``.
+            timeout, said on stderr (``regroup``). And a gloo group is created
+            under ``abort_timeout / 10``: a member that dies inside the
+            re-forming holds the others up to five times that (gloo's connect
+            wait), again ``abort_timeout / 2``.
         data_parallel_shares: with ``track(data_parallel=True)``, how many shares the
             data-parallel state is split into for snapshots (``DataParallelShares``):
             the i-th rank of a node snapshots share i % shares. Default: one share
@@ -173,6 +174,8 @@ class Job:
         self.report = RecoveryReport(self.kv, self.coordinator, self.events, env.events, env.world_size)
         self.boundary = StepBoundary(self.membership, self.tracked, self.kv, self.placement, checkpoints, self.report,
                                      self.progress, snapshot_every, join_timeout)
+        # The same script without the capture, for the benchmarks' baselines (no failure is survivable).
+        self.capture = os.environ.get("PEERSTATE_CAPTURE", "1") != "0"
         self.restorer = Restorer(self.membership, self.tracked, checkpoints, self.report)
         self.joiner = EpochJoiner(self.membership, self.kv, self.channel, self.coordinator, self.groups, self.tracked,
                                   self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,
@@ -211,7 +214,8 @@ class Job:
 
     @property
     def capture(self) -> bool:
-        """False: steps are not snapshotted (for overhead measurements only)."""
+        """False: steps are not snapshotted (for overhead measurements only; also set by
+        ``PEERSTATE_CAPTURE=0``, which the benchmarks use to run a script without it)."""
         return self.boundary.capture
 
     @capture.setter
@@ -302,17 +306,7 @@ class Job:
             if self.replication is not None:
                 self.boundary.replication_serves_shares()
         elif resume:
-            self.boundary.register()
-            try:
-                self.checkpoints.load(resume[1], resume[0], self.rank)
-            except InvalidArgumentError as error:  # every rank, and any replacement, would fail the same
-                raise InvalidArgumentError(self.coordinator.fail_job(str(error))) from None
-            self.joiner.next_step = resume[0] + 1
-            self.tracked.remember_rng()  # Job.guard says so if a seed after track() replaces what was loaded
-            self.events.write("resumed", rank=self.rank, step=resume[0], path=resume[1])
-            if self.rank == 0:
-                print(f"peerstate: resumed from the disk checkpoint of step {resume[0]} ({resume[1]}); the loop "
-                      f"goes on at step {resume[0] + 1}", file=sys.stderr, flush=True)
+            self._resume(*resume)
         if optimizer is not None:
             optimizer.register_step_pre_hook(lambda *_: self.boundary.start_replication())
         self.wait_for_rank()
@@ -329,6 +323,19 @@ class Job:
         found = checkpoints.latest()
         step_and_path = json.loads(self.kv.compare_set(keys.RESUME, b"", json.dumps(found or "").encode()))
         return (int(step_and_path[0]), step_and_path[1]) if step_and_path else None
+
+    def _resume(self, step: int, path: str) -> None:
+        self.boundary.register()
+        try:
+            self.checkpoints.load(path, step, self.rank)
+        except InvalidArgumentError as error:  # every rank, and any replacement, would fail the same
+            raise InvalidArgumentError(self.coordinator.fail_job(str(error))) from None
+        self.joiner.next_step = step + 1
+        self.tracked.remember_rng()  # Job.guard says so if a seed after track() replaces what was loaded
+        self.events.write("resumed", rank=self.rank, step=step, path=path)
+        if self.rank == 0:
+            print(f"peerstate: resumed from the disk checkpoint of step {step} ({path}); the loop goes on at step "
+                  f"{step + 1}", file=sys.stderr, flush=True)
 
     @property
     def extras(self) -> Dict[str, Any]:
@@ -357,18 +364,9 @@ class Job:
 
     def guard(self) -> StepGuard:
         """Context manager for one step's body: a failure inside becomes a recovery."""
-        undeclared = self.groups.undeclared()
-        if undeclared:
-            import torch.distributed as dist
-
-            described = ", ".join(f"ranks {dist.get_process_group_ranks(group)}"
-                                  + (f" ({group.group_desc})" if group.group_desc != "undefined" else "")
-                                  for group in undeclared)
-            message = (f"rank {self.rank}: process groups were created outside peerstate: {described}. No abort "
-                       "reaches their collectives when a rank fails, and no recovery re-forms them. Create them "
-                       "with job.new_group(ranks) or job.device_mesh(...) before track() instead of "
-                       "torch.distributed.new_group or init_device_mesh.")
-            raise InvalidArgumentError(self.coordinator.fail_job(message))  # a replacement would fail too
+        undeclared = self.groups.describe_undeclared()
+        if undeclared:  # a replacement would run into the same: the job stops
+            raise InvalidArgumentError(self.coordinator.fail_job(f"rank {self.rank}: {undeclared}"))
         if self.tracked.rng_changed():
             message = (f"peerstate: rank {self.rank} was restored to step {self.next_step - 1} inside track(), RNG "
                        "states included, and they changed before its first step: a seed set (torch.manual_seed, "

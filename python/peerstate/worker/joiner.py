@@ -97,6 +97,8 @@ class EpochJoiner:
         restore = None
         if plan.epoch > 0:
             restore = self._plan(plan, orders.restore)
+            # Steps completed after the recovery point run again; the first is the recovery's own.
+            self.report.replayed_steps += max(0, self.next_step - restore.version - 2)
             self.next_step = restore.version + 1
             self.report.first_step_after = self.next_step
         # Rolling back from memory overlaps the re-forming of the group: both take tens

@@ -195,6 +195,20 @@ class ProcessGroups:
             return []
         return [group for group in dist.distributed_c10d._world.pg_names if group not in self._formed]
 
+    def describe_undeclared(self) -> Optional[str]:
+        """What is wrong when ``undeclared()`` finds groups (None when it finds none)."""
+        import torch.distributed as dist
+
+        undeclared = self.undeclared()
+        if not undeclared:
+            return None
+        described = ", ".join(f"ranks {dist.get_process_group_ranks(group)}"
+                              + (f" ({group.group_desc})" if group.group_desc != "undefined" else "")
+                              for group in undeclared)
+        return (f"process groups were created outside peerstate: {described}. No abort reaches their collectives "
+                "when a rank fails, and no recovery re-forms them. Create them with job.new_group(ranks) or "
+                "job.device_mesh(...) before track() instead of torch.distributed.new_group or init_device_mesh.")
+
     def _form_declared(self, declared: Union[Subgroup, DeclaredMesh], timeout: float, connect: float) -> None:
         if isinstance(declared, Subgroup):
             self._form_subgroup(declared, timeout, connect)

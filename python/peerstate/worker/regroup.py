@@ -58,10 +58,11 @@ class BusyPeerRegroup:
         waited = self._groups.collective_timeout
         base = self._groups.default_collective_timeout
         longer = 2 * waited
+        doubled = ", doubled by earlier regroups" if waited > base else ""
         told = (f"a collective of rank {rank} in step {step} waited {waited:.0f}s, the gloo collective timeout "
-                f"(Job(abort_timeout={self._abort_timeout:g}) / 2{', doubled by earlier regroups' if waited > base else ''}"
-                "), and no rank failed: a rank spent longer than that outside the collectives the others waited in "
-                "(an evaluation, a checkpoint save or a compile on one rank?)")
+                f"(Job(abort_timeout={self._abort_timeout:g}) / 2{doubled}), and no rank failed: a rank spent "
+                "longer than that outside the collectives the others waited in (an evaluation, a checkpoint save "
+                "or a compile on one rank?)")
         if longer > base * 2 ** MAX_DOUBLINGS:
             message = (f"{told}. It happened {MAX_DOUBLINGS} times, each with twice the timeout: a rank that keeps "
                        "its peers waiting this long while alive is stuck. Raise Job(abort_timeout=...) if it is not.")

@@ -31,6 +31,7 @@ class RecoveryReport:
         self.first_step_after: Optional[int] = None  # the step whose end closes the current recovery
         self.pulled: Optional[Dict[str, Any]] = None  # the last recovery's data-parallel pulls
         self.step_seconds: List[float] = []
+        self.replayed_steps = 0  # steps this member ran again after its rollbacks, past each recovery's first
         self._start_recorded = False
 
     def mark(self, phase: str) -> None:
@@ -60,22 +61,34 @@ class RecoveryReport:
         fault = _fault_time(self._events_path, plan)
         timeline = recovery_timeline(plan.__dict__, marks.values(), fault)
         self.events.write("recovery", **timeline, marks=marks, version=version)
+        self._kv.set(keys.recovery_seconds(epoch), str(timeline["total_s"]).encode())
         phases = ", ".join(f"{k} {v:.3f}s" for k, v in timeline["phases_s"].items() if v is not None)
         print(f"peerstate: recovered epoch {epoch} (ranks {plan.failed}) in {timeline['total_s']:.2f}s "
               f"from {timeline['from']}: {phases}", file=sys.stderr, flush=True)
 
-    def finish(self, total: int, recoveries: int) -> None:
-        """This rank finished the loop; the last rank to finish reports the job."""
+    def finish(self, total: int, epochs: int) -> None:
+        """This rank finished the loop; the last rank to finish reports the job.
+
+        Goodput is the share of the wall time (first step to last) not lost to failures:
+        lost is each recovery's time from the fault to its first step's end, plus the
+        further steps replayed after it (at the median step time). A long step that
+        is no failure (an evaluation, a checkpoint save) is not lost time.
+        ``bench/parallelisms.py`` also measures it against the same script run without
+        peerstate's capture."""
         if self._kv.add(keys.JOB_FINISHED, 1) != self._world_size:
             return
         started = float(self._kv.get(keys.JOB_STARTED) or time.time())
         wall = time.time() - started
         step_s = statistics.median(self.step_seconds) if self.step_seconds else 0.0
-        goodput = min(1.0, total * step_s / wall) if wall > 0 else 0.0
-        self.events.write("job_end", steps=total, wall_s=wall, median_step_s=step_s, goodput=goodput,
-                          recoveries=recoveries)
-        print(f"peerstate: job finished {total} steps in {wall:.2f}s through {recoveries} recoveries; "
-              f"goodput {goodput:.1%}", file=sys.stderr, flush=True)
+        recovered = [float(raw) for raw in self._kv.get_many([keys.recovery_seconds(e) for e in range(1, epochs + 1)])
+                     if raw]
+        lost = sum(recovered) + self.replayed_steps * step_s
+        goodput = max(0.0, 1.0 - lost / wall) if wall > 0 else 0.0
+        self.events.write("job_end", steps=total, wall_s=wall, median_step_s=step_s, goodput=goodput, lost_s=lost,
+                          recoveries=len(recovered), replayed_steps=self.replayed_steps)
+        print(f"peerstate: job finished {total} steps in {wall:.2f}s through {len(recovered)} recoveries; goodput "
+              f"{goodput:.1%} ({lost:.2f}s lost to failures: {sum(recovered):.2f}s recovering, "
+              f"{self.replayed_steps} steps replayed)", file=sys.stderr, flush=True)
 
 
 def _fault_time(events_path: Optional[str], plan: RecoveryPlan) -> Optional[float]:
