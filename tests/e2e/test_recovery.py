@@ -246,12 +246,14 @@ def test_a_busy_rank_is_not_a_dead_rank(run, reference):
     assert_bitwise(job, reference)
     [regroup] = job.events("regroup")
     assert (regroup["waited"], regroup["collective_timeout"], regroup["step"]) == (2.0, 4.0, 6), regroup
+    assert regroup["not_timed_out"] == [0], regroup  # the rank the others waited for
     [recovery] = recoveries(job)
     assert recovery["failed"] == [], recovery
     assert not job.events("spare_assigned"), job.describe()  # nobody was replaced
     assert all(e["code"] == 0 for e in job.events("process_exited")), job.describe()
     summary = "".join(log.read_text() for log in job.agent_logs) + job.text()
     assert "Job(abort_timeout=4) / 2" in summary and "collective timeout of 4s" in summary, job.describe()
+    assert "ranks [0] had not reached it" in summary, job.describe()
 
 
 def test_a_rank_killed_after_its_last_step_ends_the_job_normally(run, reference):

@@ -115,6 +115,11 @@ def marks_done(epoch: int) -> str:
     return f"epoch/{epoch}/marks_done"
 
 
+def collective_timeouts(epoch: int) -> str:
+    """The ranks whose gloo collective timed out in epoch ``epoch`` ("r,r,..."): the others kept them waiting."""
+    return f"epoch/{epoch}/timed_out"
+
+
 def recovery_seconds(epoch: int) -> str:
     """Epoch ``epoch``'s recovery, from the fault to its first step's end (the job's lost time)."""
     return f"epoch/{epoch}/recovery_s"

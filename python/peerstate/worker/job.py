@@ -181,7 +181,7 @@ class Job:
                                   self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,
                                   self.placement, self.shares, env.world_size, join_timeout, failure_grace)
         self.regroup = BusyPeerRegroup(self.coordinator, self.groups, self.events, f"agent{env.node}", env.worker,
-                                       abort_timeout, join_timeout)
+                                       env.world_size, abort_timeout, join_timeout)
         self.aborts = AbortHandler(self.membership, [self.groups.abort, self._abort_transfers], self.events,
                                    abort_timeout, on_abort=self.report.marks.clear)
         self.replication: Optional[Replication] = None

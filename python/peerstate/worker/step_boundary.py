@@ -165,6 +165,7 @@ class StepGuard:
         elif exc_type is not None:
             if not issubclass(exc_type, Exception):
                 return False  # KeyboardInterrupt, SystemExit
+            self._regroup.note(exc, epoch, self._membership.rank)
             if not joiner.failure_declared(epoch) and \
                     not self._regroup.after(exc, joiner.watcher, epoch, self._membership.rank, step):
                 return False  # no failure was declared: a genuine error in the loop
