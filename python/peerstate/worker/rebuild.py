@@ -45,6 +45,8 @@ class RebuildableDDP:
         from torch.nn.parallel import DistributedDataParallel
 
         built = self._peerstate
+        if "reducer" in self.__dict__:
+            self.release()  # the old reducer's hooks must not stay beside the new one's
         kept = {name: self.__dict__[name] for name in self.CARRIED if name in self.__dict__}
         hooks = list(self.__dict__.get("_comm_hooks", []))[built["own_hooks"]:]  # the script's
         compute = dist._compute_bucket_assignment_by_size
