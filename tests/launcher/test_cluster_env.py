@@ -45,7 +45,7 @@ def test_agents_started_as_srun_starts_them_take_their_node_from_slurm(tmp_path)
     secret.chmod(0o600)
     agents, logs = [], []
     try:
-        store = "127.0.0.1:0"  # given: the Slurm default (the first host, port 29400) would be a fixed port
+        store = "127.0.0.1:0"  # given: the Slurm default (its first host, DEFAULT_STORE_PORT) is a fixed port
         for node in (0, 1):
             env = {**os.environ, "SLURM_NNODES": "2", "SLURM_NODEID": str(node), "SLURM_JOB_NODELIST": "127.0.0.1"}
             logs.append(tmp_path / f"agent{node}.log")
