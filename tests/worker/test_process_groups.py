@@ -276,3 +276,24 @@ def test_the_default_group_is_peerstates(groups):
     finally:
         release_default_group()
     assert dist.init_process_group is original
+
+
+def test_after_an_abort_a_gloo_wait_gives_up_within_a_second(groups):
+    # A pipeline schedule waits on its sends one after the other, and a send no abort wakes
+    # waits out its timeout: after an abort, each later wait must be short, or they add up
+    # past the abort deadline (seen: a 1F1B stage exited at the deadline, holding the only
+    # replica of the rank that was killed).
+    import datetime
+
+    from peerstate.worker.process_groups import AFTER_ABORT_WAIT
+
+    kv, groups = groups
+    groups.collective_timeout = 30.0
+    groups.form(kv.torch_store, 0, rank=0, world_size=1, timeout=10)
+    declared = Subgroup([0], {})
+    groups.add(declared, timeout=10)
+    backends = [g._get_backend(torch.device("cpu")) for g in (dist.distributed_c10d._get_default_group(),
+                                                            declared.group)]
+    assert [b.options._timeout for b in backends] == [datetime.timedelta(seconds=30)] * 2
+    groups.abort(1)
+    assert [b.options._timeout for b in backends] == [datetime.timedelta(seconds=AFTER_ABORT_WAIT)] * 2

@@ -48,7 +48,11 @@ collective waits in ``UnboundBuffer::waitSend`` for its timeout, whatever is
 shut down (seen in the demo after a node loss: a ring allreduce's send to a
 killed rank). So gloo groups get ``collective_timeout``, shorter than the
 Job's abort deadline: such a collective fails on its own, and its rank
-recovers with its state, instead of exiting at the deadline.
+recovers with its state, instead of exiting at the deadline. A wait reads its
+group's timeout when it starts, so an abort also sets every group's to
+``AFTER_ABORT_WAIT``: a loop that then waits on more operations in turn (a
+pipeline schedule's sends, each possibly stuck the same way) gives up on each
+within a second instead of adding their timeouts up past the deadline.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ from peerstate.control.environment import SCRIPT_DEFAULT_GROUP
 from peerstate.errors import AbortedError, InvalidArgumentError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
 from peerstate.worker.meshes import DeclaredMesh
+
+AFTER_ABORT_WAIT = 1.0  # seconds a gloo wait that starts after an abort may take (ProcessGroups.abort)
 
 
 def _open_sockets() -> Iterator[Tuple[int, str]]:
@@ -254,6 +260,7 @@ class ProcessGroups:
                 return
             if self.backend == "gloo":
                 _shutdown(self._sockets)
+                self._fail_later_waits()
                 return
         import torch
         import torch.distributed as dist
@@ -274,6 +281,21 @@ class ProcessGroups:
         finally:
             if nccl is not None:
                 nccl._group_end()
+
+    def _fail_later_waits(self) -> None:
+        """After an abort, every wait that starts on these gloo groups gives up within
+        ``AFTER_ABORT_WAIT`` seconds: a wait reads its group's timeout when it starts, so
+        the one already blocked keeps its own, but a loop that waits on several
+        operations in turn (a pipeline schedule's sends and receives, each a send that
+        no abort wakes: see the module docstring) no longer adds up their timeouts
+        past the abort deadline."""
+        import torch.distributed as dist
+
+        for group in list(dist.distributed_c10d._world.pg_names):
+            try:
+                self._set_wait(group, AFTER_ABORT_WAIT)
+            except Exception:  # noqa: BLE001 - destroyed meanwhile
+                pass
 
     def destroy(self) -> None:
         """Tear the groups down (main thread, after abort())."""
