@@ -5,40 +5,43 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import List, Optional
+from typing import List, Mapping, Optional
+
+
+def agent_config(args: argparse.Namespace, environ: Mapping[str, str]):
+    """The AgentConfig that ``peerstate run`` ARGS start (Slurm's environment fills what
+    the flags leave out); InvalidArgumentError naming what is missing."""
+    from peerstate.errors import InvalidArgumentError
+    from peerstate.launcher.agent import AgentConfig
+    from peerstate.launcher.cluster_env import slurm_defaults
+
+    for name, value in slurm_defaults(environ).items():
+        if getattr(args, name) is None:  # a flag on the command line wins
+            setattr(args, name, value)
+    nnodes = 1 if args.nnodes is None else args.nnodes
+    store = args.store
+    if store is None:
+        if nnodes > 1:
+            raise InvalidArgumentError("--nnodes > 1 needs --store HOST:PORT (node 0 hosts the store there) or "
+                                       "--store etcd://HOST:PORT[,HOST:PORT...]")
+        store = "127.0.0.1:0"
+    return AgentConfig(script=[args.script, *args.script_args], nproc_per_node=args.nproc_per_node,
+                       spares=args.spares, nnodes=nnodes, node_rank=0 if args.node_rank is None else args.node_rank,
+                       store=store, host=args.host, log_dir=args.log_dir, hang_timeout=args.hang_timeout,
+                       lease_timeout=args.lease_timeout, spare_timeout=args.spare_timeout,
+                       join_timeout=args.join_timeout, checkpoint_dir=args.checkpoint_dir,
+                       checkpoint_every=args.checkpoint_every, inject=args.inject, secret_file=args.secret_file,
+                       frame_protection=args.frame_protection, job_id=args.job_id, store_timeout=args.store_timeout)
 
 
 def _run(args: argparse.Namespace) -> int:
     import os
 
-    from peerstate.launcher.agent import Agent, AgentConfig
-    from peerstate.launcher.cluster_env import slurm_defaults
+    from peerstate.launcher.agent import Agent
     from peerstate.errors import Error
 
     try:
-        for name, value in slurm_defaults(os.environ).items():
-            if getattr(args, name) is None:  # a flag on the command line wins
-                setattr(args, name, value)
-    except Error as error:
-        print(f"peerstate run: {error}", file=sys.stderr)
-        return 2
-    args.nnodes = 1 if args.nnodes is None else args.nnodes
-    args.node_rank = 0 if args.node_rank is None else args.node_rank
-    if args.store is None:
-        if args.nnodes > 1:
-            print("peerstate run: --nnodes > 1 needs --store HOST:PORT (node 0 hosts the store there)",
-                  file=sys.stderr)
-            return 2
-        args.store = "127.0.0.1:0"
-    config = AgentConfig(script=[args.script, *args.script_args], nproc_per_node=args.nproc_per_node,
-                         spares=args.spares, nnodes=args.nnodes, node_rank=args.node_rank, store=args.store,
-                         host=args.host, log_dir=args.log_dir, hang_timeout=args.hang_timeout,
-                         lease_timeout=args.lease_timeout, spare_timeout=args.spare_timeout,
-                         join_timeout=args.join_timeout, checkpoint_dir=args.checkpoint_dir,
-                         checkpoint_every=args.checkpoint_every, inject=args.inject, secret_file=args.secret_file,
-                         frame_protection=args.frame_protection)
-    try:
-        agent = Agent(config)
+        agent = Agent(agent_config(args, os.environ))
     except Error as error:
         print(f"peerstate run: {error}", file=sys.stderr)
         return 2
@@ -82,9 +85,14 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--spares", type=int, default=0, help="hot spares kept ready on this node (0..nproc-per-node)")
     run.add_argument("--nnodes", type=int, default=None, help="nodes in the job (default: SLURM_NNODES, else 1)")
     run.add_argument("--node-rank", type=int, default=None,
-                     help="this node's index, node 0 hosts the store (default: SLURM_NODEID, else 0)")
-    run.add_argument("--store", default=None, help="HOST:PORT of the job's store (node 0 binds it; port 0 = any; "
-                     "under Slurm: the first host of SLURM_JOB_NODELIST, port 29400)")
+                     help="this node's index, node 0 hosts a TCPStore (default: SLURM_NODEID, else 0)")
+    run.add_argument("--store", default=None, help="the job's store: HOST:PORT of a TCPStore that node 0 hosts "
+                     "(port 0 = any; under Slurm: the first host of SLURM_JOB_NODELIST, port 29400), or "
+                     "etcd://HOST:PORT[,HOST:PORT...] of an etcd cluster, which no node's loss takes down")
+    run.add_argument("--job-id", default=None, help="with etcd: the job's name, its keys' prefix; one per run "
+                     "(default: slurm-SLURM_JOB_ID)")
+    run.add_argument("--store-timeout", type=float, default=20.0, help="with etcd: seconds the store may not answer "
+                     "before every agent stops its job (longer than --lease-timeout)")
     run.add_argument("--host", default="127.0.0.1", help="address this node's replication servers listen on")
     run.add_argument("--log-dir", default="peerstate-logs", help="worker logs and events.jsonl")
     run.add_argument("--hang-timeout", type=float, default=10.0, help="seconds without progress before a "

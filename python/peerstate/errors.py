@@ -29,6 +29,11 @@ class JobFailedError(Error):
     """The job cannot go on (no spare left, a bad configuration); the message says why."""
 
 
+class StoreUnavailableError(JobFailedError):
+    """The job's store did not answer within its unavailability bound; the message
+    names the store and the bound."""
+
+
 class StateLostError(JobFailedError):
     """A failure took every copy of some rank's state; the message names the ranks."""
 
@@ -37,6 +42,7 @@ __all__ = [
     "AbortedError",
     "JobFailedError",
     "StateLostError",
+    "StoreUnavailableError",
     "AuthenticationError",
     "BudgetExceededError",
     "BusyError",

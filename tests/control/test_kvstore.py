@@ -1,6 +1,8 @@
-"""The KeyValueStore contract, held by both implementations: TCPStore (real
-server on 127.0.0.1, port 0) and the in-memory store for pure-logic tests."""
+"""The KeyValueStore contract, held by every implementation: TCPStore (real
+server on 127.0.0.1, port 0), etcd (a real one-member cluster; its failures are
+in test_etcd_store.py) and the in-memory store for pure-logic tests."""
 
+import itertools
 import threading
 
 import pytest
@@ -10,14 +12,26 @@ pytest.importorskip("torch")
 from peerstate.control.coordinator import Coordinator  # noqa: E402
 from peerstate.control.kvstore import TorchKeyValueStore  # noqa: E402
 from peerstate.control.memory_store import InMemoryKeyValueStore  # noqa: E402
+from peerstate.control.etcd_store import EtcdKeyValueStore  # noqa: E402
+from helpers.etcd import EtcdCluster  # noqa: E402
 
 MEMBERS = {r: f"n{r // 2}.{r % 2}" for r in range(4)}
+_jobs = itertools.count()
 
 
-@pytest.fixture(params=["tcpstore", "memory"])
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"))
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(params=["tcpstore", "etcd", "memory"])
 def kv(request):
     if request.param == "memory":
         return InMemoryKeyValueStore()
+    if request.param == "etcd":  # one cluster for the module, a job prefix per test
+        return EtcdKeyValueStore(request.getfixturevalue("etcd").endpoints, f"/peerstate/contract-{next(_jobs)}/")
     return TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=10)
 
 

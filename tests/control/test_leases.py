@@ -71,6 +71,25 @@ def test_a_finished_node_is_not_declared_lost():
     assert ring.declared == []
 
 
+def test_a_store_outage_longer_than_the_lease_timeout_declares_no_node():
+    # Every agent's calls waited 2.5 s for the store (an etcd election): no lease moved
+    # meanwhile, and the watchers' first checks after it run before the others' leases
+    # move again. None of the nodes is lost.
+    ring = Ring(4, timeout=1.0)
+    for step in range(5):
+        ring.tick(step * 0.1)
+    for n in sorted(ring.alive):
+        ring.declared += [(n, lost) for lost, _ in ring.watches[n].check(3.0)]
+    for step in range(31, 40):
+        ring.tick(step * 0.1)
+    assert ring.declared == []
+    # a node lost after it still is, within the timeout and a check
+    ring.alive.discard(2)
+    for step in range(40, 80):
+        ring.tick(step * 0.1)
+    assert [node for _, node in ring.declared] == [2]
+
+
 def test_a_check_costs_a_few_store_requests_at_any_size():
     from peerstate.control.kvstore import TorchKeyValueStore
 
@@ -82,7 +101,9 @@ def test_a_check_costs_a_few_store_requests_at_any_size():
         before = kv.count.requests
         watch.check(0.0)
         assert kv.count.requests - before == 2  # the leases of two successors, one request each
+        watch.check(1.4)
+        watch.check(2.8)
         before = kv.count.requests
-        watch.check(10.0)  # both stood still past the timeout: their flags are read, both declared
+        watch.check(4.2)  # both stood still past the timeout: their flags are read, both declared
         # leases; the two absent flags of each (a check of both, then one each); compare_set + append each
         assert kv.count.requests - before == 2 + 2 * 3 + 2 * 2

@@ -15,12 +15,13 @@ TRAIN_SCRIPT = Path(__file__).with_name("train_job.py")
 
 
 class Job(LocalJob):
-    def __init__(self, tmp_path, nodes, *, steps=40, agent_args=(), script_args=(), script=TRAIN_SCRIPT, out=None):
+    def __init__(self, tmp_path, nodes, *, steps=40, agent_args=(), script_args=(), script=TRAIN_SCRIPT, out=None,
+                 store=None):
         """nodes: [(nproc_per_node, spares), ...], one agent each; ``out``: what the script's
-        --out names (default: a file final.pt in tmp_path)."""
+        --out names (default: a file final.pt in tmp_path); ``store``: every agent's --store."""
         self.out = Path(out) if out is not None else Path(tmp_path) / "final.pt"
         super().__init__(tmp_path, nodes, [str(script), "--steps", str(steps), "--out", str(self.out),
-                                           *script_args], agent_args=agent_args)
+                                           *script_args], agent_args=agent_args, store=store)
 
     def wait_for(self, predicate, what, timeout=90.0):
         try:

@@ -33,7 +33,7 @@ def test_a_subgroup_is_formed_with_every_epoch(groups):
     with pytest.raises(InvalidArgumentError, match=r"subgroup over ranks \[0\] is not formed"):
         declared.group
     for epoch in (0, 1):
-        groups.form(kv.torch_store, epoch, rank=0, world_size=1, timeout=10)
+        groups.form(kv, epoch, rank=0, world_size=1, timeout=10)
         total = torch.tensor([3])
         dist.all_reduce(total, group=declared.group)
         assert int(total) == 3
@@ -44,14 +44,14 @@ def test_a_subgroup_is_formed_with_every_epoch(groups):
 
 def test_a_subgroup_declared_in_a_formed_epoch_is_formed_at_once(groups):
     kv, groups = groups
-    groups.form(kv.torch_store, 0, rank=0, world_size=1, timeout=10)
+    groups.form(kv, 0, rank=0, world_size=1, timeout=10)
     declared = Subgroup([0], {})
     groups.add(declared, timeout=10)
     assert declared.group is not None and dist.get_world_size(declared.group) == 1
 
 
 @contextlib.contextmanager
-def _peer(kv, epoch, body, store="kv.torch_store", prelude=""):
+def _peer(kv, epoch, body, store="kv", prelude=""):
     """A second process, rank 1 of a 2-rank gloo group of ``epoch`` formed through
     ``store`` (an expression; ``prelude`` may define it), that then runs ``body``;
     killed, if still running, when the block ends."""
@@ -86,7 +86,7 @@ for _ in range(2):
     dist.all_reduce(total)
     print(int(total), flush=True)
 groups.destroy()""") as peer:
-        groups.form(kv.torch_store, 1, rank=0, world_size=2, timeout=30)
+        groups.form(kv, 1, rank=0, world_size=2, timeout=30)
         groups.abort(1)  # late: epoch 1's group is the one formed
         for _ in range(2):
             total = torch.tensor([1])
@@ -110,7 +110,7 @@ def test_gloo_collectives_time_out_after_the_collective_timeout(groups):
 print("formed", flush=True)
 time.sleep(60)  # never enters the collective""") as peer:
         try:
-            timed.form(kv.torch_store, 0, rank=0, world_size=2, timeout=30)
+            timed.form(kv, 0, rank=0, world_size=2, timeout=30)
             assert peer.stdout.readline().strip() == "formed"
             started = time.monotonic()
             with pytest.raises(RuntimeError, match="[Tt]imed out"):
@@ -129,7 +129,7 @@ class DiesOncePublished(dist.Store):
     def __init__(self, store):
         super().__init__()
         self.store = store
-    def clone(self):
+    def rendezvous_store(self):  # what form() asks a KeyValueStore for
         self.clones = getattr(self, "clones", []) + [DiesOncePublished(self.store.clone())]  # kept alive
         return self.clones[-1]
     def set(self, key, value):
@@ -185,7 +185,7 @@ def test_a_member_that_dies_in_the_rendezvous_holds_the_others_five_connect_time
         try:
             _meet(kv)
             with pytest.raises(AbortedError, match="epoch 2 began while the group of epoch 1 formed"):
-                forming.form(kv.torch_store, 1, rank=0, world_size=2, timeout=20)  # without: 5 x 20 s
+                forming.form(kv, 1, rank=0, world_size=2, timeout=20)  # without: 5 x 20 s
             assert peer.returncode == 0  # it did publish, and exited in the store
             assert time.monotonic() - aborted[0] < 12  # 5 x 1 s, and room for a loaded machine
         finally:
@@ -206,7 +206,7 @@ dist.all_reduce(total)
 print(int(total), flush=True)""", prelude=_BARRIER) as peer:
         try:
             _meet(kv)
-            forming.form(kv.torch_store, 1, rank=0, world_size=2, timeout=30)
+            forming.form(kv, 1, rank=0, world_size=2, timeout=30)
             total = torch.tensor([1])
             dist.all_reduce(total)
             assert int(total) == 3
@@ -221,7 +221,7 @@ declared = DeclaredMesh("cpu", (2, 1), ("replicate", "shard"))
 groups.add(declared, timeout=30)
 names, mesh = declared.mesh._dim_group_names, declared.mesh
 groups.destroy()
-groups.form(kv.torch_store, 1, rank=RANK, world_size=2, timeout=30)
+groups.form(kv, 1, rank=RANK, world_size=2, timeout=30)
 assert declared.mesh is mesh and declared.mesh._dim_group_names == names
 total = torch.tensor([RANK + 1])
 dist.all_reduce(total, group=declared.get_group("replicate"))
@@ -236,7 +236,7 @@ def test_a_declared_mesh_keeps_its_object_and_group_names_across_epochs(groups):
     # the re-formed epoch's groups must come out under the old names, in the same object.
     kv, groups = groups
     with _peer(kv, 0, _MESH_MEMBER.replace("RANK", "1") + "groups.destroy()") as peer:
-        groups.form(kv.torch_store, 0, rank=0, world_size=2, timeout=30)
+        groups.form(kv, 0, rank=0, world_size=2, timeout=30)
         exec(_MESH_MEMBER.replace("RANK", "0"), {"groups": groups, "kv": kv, "torch": torch, "dist": dist})
         line = peer.communicate(timeout=60)[0].strip()
     names, total, alone = line.rsplit(" ", 2)
@@ -246,7 +246,7 @@ def test_a_declared_mesh_keeps_its_object_and_group_names_across_epochs(groups):
 
 def test_a_group_created_outside_peerstate_is_found(groups):
     kv, groups = groups
-    groups.form(kv.torch_store, 0, rank=0, world_size=1, timeout=10)
+    groups.form(kv, 0, rank=0, world_size=1, timeout=10)
     assert groups.undeclared() == []
     groups.add(Subgroup([0], {}), timeout=10)
     assert groups.undeclared() == []
@@ -254,7 +254,7 @@ def test_a_group_created_outside_peerstate_is_found(groups):
     assert groups.undeclared() == [direct]
     assert groups.describe_undeclared().startswith("process groups were created outside peerstate: ranks [0]. ")
     groups.destroy()
-    groups.form(kv.torch_store, 1, rank=0, world_size=1, timeout=10)
+    groups.form(kv, 1, rank=0, world_size=1, timeout=10)
     assert groups.undeclared() == []
 
 
@@ -262,7 +262,7 @@ def test_the_default_group_is_peerstates(groups):
     from peerstate.worker.process_groups import claim_default_group, release_default_group
 
     kv, groups = groups
-    groups.form(kv.torch_store, 0, rank=0, world_size=1, timeout=10)  # as if the script had formed it
+    groups.form(kv, 0, rank=0, world_size=1, timeout=10)  # as if the script had formed it
     with pytest.raises(InvalidArgumentError, match=r"initialised before peerstate.Job\(\): remove the script's"):
         claim_default_group(InvalidArgumentError)
     groups.destroy()
@@ -271,7 +271,7 @@ def test_the_default_group_is_peerstates(groups):
     try:
         with pytest.raises(InvalidArgumentError, match=r"called after peerstate.Job\(\).*Job\(backend=\.\.\.\)"):
             dist.init_process_group("gloo", store=kv.torch_store, rank=0, world_size=1)
-        groups.form(kv.torch_store, 1, rank=0, world_size=1, timeout=10)  # peerstate's own still forms
+        groups.form(kv, 1, rank=0, world_size=1, timeout=10)  # peerstate's own still forms
         assert dist.is_initialized()
     finally:
         release_default_group()
@@ -289,7 +289,7 @@ def test_after_an_abort_a_gloo_wait_gives_up_within_a_second(groups):
 
     kv, groups = groups
     groups.collective_timeout = 30.0
-    groups.form(kv.torch_store, 0, rank=0, world_size=1, timeout=10)
+    groups.form(kv, 0, rank=0, world_size=1, timeout=10)
     declared = Subgroup([0], {})
     groups.add(declared, timeout=10)
     backends = [g._get_backend(torch.device("cpu")) for g in (dist.distributed_c10d._get_default_group(),

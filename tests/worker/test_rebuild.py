@@ -22,7 +22,7 @@ def epochs(monkeypatch):
 
     def next_epoch(epoch):
         groups.destroy()
-        groups.form(kv.torch_store, epoch, rank=0, world_size=1, timeout=10)
+        groups.form(kv, epoch, rank=0, world_size=1, timeout=10)
         return dist.distributed_c10d._get_default_group()
 
     yield next_epoch

@@ -3,7 +3,8 @@ of each process it starts, written by ``to_env()`` in the agent and read back,
 validated, by ``from_env()`` in the worker.
 
 Besides peerstate's own variables every process gets torchrun's: WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK, LOCAL_RANK, and RANK
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (the TCPStore's; not set with
+``--store etcd://``, which has no one address), GROUP_RANK, LOCAL_RANK, and RANK
 for an initial worker, plus OMP_NUM_THREADS=1 unless the user set it (as
 torchrun does for more than one process per node). What a script may rely on:
 
@@ -93,7 +94,7 @@ def job_secret(nnodes: int, secret_file: Optional[str] = None, env: Mapping[str,
 class WorkerEnvironment:
     """One process's place in the job, as its agent started it."""
 
-    store: str                 # HOST:PORT of the job's store
+    store: str                 # the job's store: HOST:PORT of a TCPStore, or etcd://... (open_store)
     worker: str                # n{node}.{k}
     spare: bool                # a hot spare (no rank yet)
     world_size: int
@@ -115,23 +116,17 @@ class WorkerEnvironment:
         initial worker, above for a spare."""
         return int(self.worker.rsplit(".", 1)[1])
 
-    @property
-    def store_host(self) -> str:
-        return self.store.rsplit(":", 1)[0]
-
-    @property
-    def store_port(self) -> int:
-        return int(self.store.rsplit(":", 1)[1])
-
     def to_env(self) -> Dict[str, str]:
         """The variables to add to the process's environment."""
         env = dict(
-            WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(self.nproc_per_node),
-            MASTER_ADDR=self.store_host, MASTER_PORT=str(self.store_port), GROUP_RANK=str(self.node),
+            WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(self.nproc_per_node), GROUP_RANK=str(self.node),
             PEERSTATE_STORE=self.store, PEERSTATE_WORKER=self.worker, PEERSTATE_HOST=self.host,
             PEERSTATE_ROLE="spare" if self.spare else "worker", PEERSTATE_FRAME_PROTECTION=self.protection,
             PEERSTATE_NODE_STORE=self.node_store,
         )
+        if not self.store.startswith("etcd://"):  # a TCPStore; etcd has no single address to name
+            host, _, port = self.store.rpartition(":")
+            env.update(MASTER_ADDR=host, MASTER_PORT=port)
         if self.progress:
             env["PEERSTATE_PROGRESS"] = self.progress
         if self.events:
@@ -169,7 +164,8 @@ class WorkerEnvironment:
                 checkpoint_every=int(env.get("PEERSTATE_CHECKPOINT_EVERY", "0")),
                 protection=env.get("PEERSTATE_FRAME_PROTECTION", "authenticated"),
                 node_store=env["PEERSTATE_NODE_STORE"])
-            int(result.store.rpartition(":")[2])  # HOST:PORT
+            if not result.store.startswith("etcd://"):
+                int(result.store.rpartition(":")[2])  # HOST:PORT
             int(result.node_store.rpartition(":")[2])
         except InvalidArgumentError:
             raise

@@ -3,11 +3,14 @@
 ``KeyValueStore`` is the small interface the coordinator, the agents and the
 workers need; ``TorchKeyValueStore`` implements it over
 ``torch.distributed.TCPStore`` (the embedded default: the launcher of node 0
-hosts it, no extra server). Another store (etcd at larger scale) plugs in by
-implementing the same methods.
+hosts it, no extra server); ``EtcdKeyValueStore`` (``etcd_store``) implements it
+over a replicated etcd cluster, so that no node's loss takes the store with it.
+``open_store`` opens either from its address.
 
 Values are ``bytes``; callers encode JSON. Every blocking call takes a
-timeout in seconds and raises ``TimeoutError`` when it passes.
+timeout in seconds and raises ``TimeoutError`` when it passes. A store that
+cannot be reached at all raises ``StoreUnavailableError`` (etcd, past its bound)
+or torch's ``DistNetworkError`` (TCPStore).
 """
 
 from __future__ import annotations
@@ -65,6 +68,16 @@ class KeyValueStore:
     def clone(self) -> "KeyValueStore":
         """Another connection to the same store (for a thread that blocks in wait())."""
         raise NotImplementedError
+
+    def rendezvous_store(self):
+        """A ``torch.distributed.Store`` over the same keys, on its own connection, for
+        ``init_process_group`` (the caller owns it). Its ``interrupt()``, where it has one,
+        fails a blocked wait at once; a TCPStore clone is interrupted by shutting its socket."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The store, in words, for messages."""
+        return type(self).__name__
 
 
 @dataclass
@@ -178,6 +191,33 @@ class TorchKeyValueStore(KeyValueStore):
 
     def clone(self) -> "TorchKeyValueStore":
         return TorchKeyValueStore(self.host, self.port, _store=self.torch_store.clone(), _count=self.count)
+
+    def rendezvous_store(self):
+        return self.torch_store.clone()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def describe(self) -> str:
+        return f"the TCPStore at {self.address}"
+
+
+def open_store(address: str, *, timeout: float, host_store: bool = False) -> KeyValueStore:
+    """The store an address names: ``etcd://H:P[,H:P...]/PREFIX[?unavailable_timeout=S]``
+    (``EtcdKeyValueStore.address``) or ``HOST:PORT`` of a TCPStore, which this process
+    hosts when ``host_store``. InvalidArgumentError for anything else."""
+    from peerstate.errors import InvalidArgumentError
+
+    if address.startswith("etcd://"):
+        from peerstate.control.etcd_store import EtcdKeyValueStore
+
+        return EtcdKeyValueStore.from_address(address)
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidArgumentError(f"a store address is HOST:PORT (a TCPStore) or etcd://HOST:PORT[,HOST:PORT...] "
+                                   f"(got {address!r})")
+    return TorchKeyValueStore(host, int(port), host_store=host_store, timeout=timeout)
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -9,6 +9,12 @@ A node is therefore watched by its ``k`` nearest live predecessors: up to
 ``k - 1`` of them may fail with it and it is still declared. A node's death
 is declared once: whoever wins the compare-and-set of its dead flag reports
 it, and the others see the flag.
+
+A lease's standing still counts only while its watcher reaches the store: when
+a watcher's checks are more than half the timeout apart (its own calls waited
+for a store that did not answer, an etcd election say) it starts every timer
+again. A store outage shorter than the agents' bound then declares no node
+lost, however long it is next to the lease timeout.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class LeaseWatch:
         self._me = me
         self._seen: Dict[int, Tuple[Optional[int], float]] = {}  # node -> (lease, when it last moved)
         self._gone: Dict[int, bool] = {}  # nodes seen dead or done: never watched again
+        self._last_check: Optional[float] = None
 
     def check(self, now: float) -> List[Tuple[int, float]]:
         """The nodes this agent declared lost in this check, each with how long its
@@ -55,6 +62,9 @@ class LeaseWatch:
         that stood still past the timeout costs one more read, of its dead and done
         flags (a finished or already declared node is passed over from then on)."""
         declared: List[Tuple[int, float]] = []
+        if self._last_check is not None and now - self._last_check > self.timeout / 2:
+            self._seen = {other: (lease, now) for other, (lease, _) in self._seen.items()}
+        self._last_check = now
         watched, _ = ring_window(self.node, self.nnodes, lambda other: self._gone.get(other, False))
         for other in watched:
             lease = self._kv.add(keys.node_lease(other), 0)

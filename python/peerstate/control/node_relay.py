@@ -31,7 +31,7 @@ from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.messages import NodeReport, RecoveryPlan
 from peerstate.control.plan_writer import InstructionWriter
 from peerstate.control.planning import node_of_worker
-from peerstate.errors import JobFailedError
+from peerstate.errors import JobFailedError, StoreUnavailableError
 
 POLL_SECONDS = 0.25  # how often a wait on the node's members looks for a newer epoch
 # How often a node waiting for its instructions looks for a newer epoch or a lost owner: an
@@ -77,6 +77,8 @@ class NodeRelay:
                 plan = self._next_plan(stop)
                 if plan is not None:
                     self.relay(plan)
+        except StoreUnavailableError:
+            return  # the agent's own calls meet the same store, and stop it
         except JobFailedError as error:
             self._on_failure(str(error))
         except Exception as error:  # noqa: BLE001 - the store went away

@@ -33,15 +33,17 @@ from peerstate.control import keys
 from peerstate.control import progress as progress_file
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, WorkerEnvironment, job_secret
+from peerstate.control.etcd_store import DEFAULT_UNAVAILABLE_TIMEOUT
 from peerstate.control.kvstore import TorchKeyValueStore
 from peerstate.control.node_relay import NodeRelay
 from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
 from peerstate.control.progress import ProgressCounter
 from peerstate.control.timeline import EventLog
-from peerstate.errors import InvalidArgumentError, JobFailedError
+from peerstate.errors import InvalidArgumentError, JobFailedError, StoreUnavailableError
 from peerstate.launcher.inject import Fault, FaultInjector
 from peerstate.control.leases import LeaseWatch
 from peerstate.launcher.processes import WorkerProcess, describe_exit, die_with_parent, log_tail
+from peerstate.launcher.store_connection import check_store_flags, open_job_store
 
 POLL_SECONDS = 0.005
 WATCH_SECONDS = 0.1
@@ -55,7 +57,10 @@ class AgentConfig:
     spares: int = 0
     nnodes: int = 1
     node_rank: int = 0
-    store: str = "127.0.0.1:0"             # HOST:PORT; node 0 hosts it (port 0: any free port)
+    store: str = "127.0.0.1:0"             # HOST:PORT of a TCPStore node 0 hosts (port 0: any free port),
+                                           # or etcd://HOST:PORT[,HOST:PORT...] of an etcd cluster
+    job_id: Optional[str] = None           # with etcd: the job's keys are under /peerstate/<job_id>/
+    store_timeout: float = DEFAULT_UNAVAILABLE_TIMEOUT  # with etcd: how long it may not answer
     host: str = "127.0.0.1"                # the address this node's workers listen on
     log_dir: str = "peerstate-logs"
     hang_timeout: float = 10.0             # a worker whose counter stops this long is killed
@@ -84,8 +89,7 @@ class AgentConfig:
         if self.frame_protection not in ("authenticated", "encrypted", "trusted-fabric"):
             raise InvalidArgumentError(f"--frame-protection must be authenticated, encrypted or trusted-fabric (got "
                                        f"{self.frame_protection!r})")
-        if ":" not in self.store:
-            raise InvalidArgumentError(f"--store must be HOST:PORT (got {self.store!r})")
+        check_store_flags(self.store, self.job_id, self.store_timeout)
 
 
 class Agent:
@@ -120,28 +124,23 @@ class Agent:
             self._connect()
             self._spawn_initial()
             return self._watch()
+        except StoreUnavailableError as error:
+            return self._lost_store(str(error))
         except JobFailedError as error:
             return self._stop(str(error))
         except Exception as error:  # noqa: BLE001 - DistNetworkError and kin: the store is gone
             if not hasattr(self, "kv"):
                 raise
-            self._stopping = True
-            print(f"peerstate: the job cannot go on: node {self.node} lost the job's store (hosted by node 0's "
-                  f"agent): {error}. Node {self.node} stops its workers and spares.", file=sys.stderr, flush=True)
-            return 1
+            return self._lost_store(f"node {self.node} lost {self.kv.describe()}, hosted by node 0's agent: {error}")
         finally:
             self._kill_all()
 
     def _connect(self) -> None:
         config = self.config
-        host, port = config.store.rsplit(":", 1)
-        try:
-            self.kv = TorchKeyValueStore(host, int(port), host_store=self.node == 0, timeout=config.join_timeout)
-        except Exception as error:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
-            raise JobFailedError(f"node {self.node} could not {'host' if self.node == 0 else 'reach'} the job's "
-                                 f"store at {config.store}: {error}") from None
-        self.store_address = f"{host}:{self.kv.port}"
-        if self.node == 0:
+        self.kv, self.hosts_store = open_job_store(config.store, self.node, config.job_id, config.store_timeout,
+                                                   config.join_timeout)
+        self.store_address = self.kv.address
+        if self.hosts_store:
             print(f"peerstate: store at {self.store_address}", file=sys.stderr, flush=True)
         self.coordinator = Coordinator(self.kv)
         self.leases = LeaseWatch(self.kv, self.coordinator, self.node, config.nnodes, config.lease_timeout, self.name)
@@ -152,7 +151,10 @@ class Agent:
                        "agent needs the same --nnodes and --nproc-per-node")
             self.coordinator.fail_job(message)
             raise JobFailedError(message)
-        self.kv.add(keys.NODES_JOINED, 1)
+        if self.kv.add(keys.NODES_JOINED, 1) > config.nnodes:
+            raise JobFailedError(f"more agents joined than --nnodes {config.nnodes}: two were started with the same "
+                                 "--node-rank, or the job's keys are a finished job's (give each run its own "
+                                 "--job-id)")
         deadline = time.monotonic() + config.join_timeout
         while self.kv.add(keys.NODES_JOINED, 0) < config.nnodes:
             if self.coordinator.failure():
@@ -263,12 +265,12 @@ class Agent:
                 if self.kv.add(keys.JOB_FINISHED, 0) >= self.world_size and not self._live_workers():
                     self.kv.set(keys.node_done(self.node), b"1")
                     self.events.write("agent_done", node=self.node)
-                    if self.node == 0:
+                    if self.hosts_store:
                         self._wait_for_other_nodes()
                     return 0
                 self._follow_spares()
                 self._check_hangs(now)
-                self._check_leases(now)
+                self._check_leases(time.monotonic())  # not ``now``: the calls above may have waited for the store
                 self._refill()
             time.sleep(POLL_SECONDS)
 
@@ -462,6 +464,16 @@ class Agent:
         print(f"peerstate: the job cannot go on: {reason.rstrip('.')}. Node {self.node} stops its workers and spares "
               f"({recovered}{finished} of {self.world_size} ranks had finished). Worker logs and the event log "
               f"are in {self.log_dir}/.", file=sys.stderr, flush=True)
+        return 1
+
+    def _lost_store(self, reason: str) -> int:
+        """The store is gone: nothing can be written to it, so this agent stops on its
+        own, and its workers with it; disk checkpoints stay where they are."""
+        self._stopping = True
+        self.events.write("store_lost", node=self.node, reason=reason)
+        kept = f"; the disk checkpoints in {self.config.checkpoint_dir} are kept" if self.config.checkpoint_dir else ""
+        print(f"peerstate: the job cannot go on: {reason.rstrip('.')}. Node {self.node} stops its workers and spares"
+              f"{kept}. Worker logs and the event log are in {self.log_dir}/.", file=sys.stderr, flush=True)
         return 1
 
     def _kill_all(self) -> None:

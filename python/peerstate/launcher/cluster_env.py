@@ -30,8 +30,8 @@ def first_host(nodelist: str) -> str:
 
 
 def slurm_defaults(environ: Mapping[str, str]) -> Dict[str, object]:
-    """``nnodes``, ``node_rank`` and ``store`` from a Slurm step's environment (empty
-    outside Slurm)."""
+    """``nnodes``, ``node_rank``, ``store`` and ``job_id`` (``SLURM_JOB_ID``, the prefix of
+    the job's keys in etcd) from a Slurm step's environment (empty outside Slurm)."""
     if "SLURM_NNODES" not in environ or "SLURM_NODEID" not in environ:
         return {}
     try:
@@ -41,6 +41,8 @@ def slurm_defaults(environ: Mapping[str, str]) -> Dict[str, object]:
                                    f"{environ['SLURM_NODEID']!r} must be integers: pass --nnodes and "
                                    "--node-rank") from None
     defaults: Dict[str, object] = {"nnodes": nnodes, "node_rank": node_rank}
+    if environ.get("SLURM_JOB_ID"):
+        defaults["job_id"] = f"slurm-{environ['SLURM_JOB_ID']}"
     nodelist: Optional[str] = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if nodelist and nnodes > 1:
         defaults["store"] = f"{first_host(nodelist)}:{DEFAULT_STORE_PORT}"

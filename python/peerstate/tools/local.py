@@ -25,16 +25,18 @@ from peerstate.control.timeline import read_events
 
 class LocalJob:
     """``nodes``: (workers, spares) per simulated node; ``script``: the script and its
-    arguments; ``agent_args``: more ``peerstate run`` flags for every agent."""
+    arguments; ``agent_args``: more ``peerstate run`` flags for every agent; ``store``:
+    the ``--store`` of every agent (default: node 0 hosts a TCPStore)."""
 
     def __init__(self, workdir: Path, nodes: Sequence[Tuple[int, int]], script: Sequence[str],
-                 agent_args: Sequence[str] = (), store_timeout: float = 60.0) -> None:
+                 agent_args: Sequence[str] = (), store_timeout: float = 60.0, store: Optional[str] = None) -> None:
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.logs = self.dir / "logs"
         self.agents: List[subprocess.Popen] = []
         self.agent_logs: List[Path] = []
-        store = "127.0.0.1:0"
+        hosted = store is None
+        store = store or "127.0.0.1:0"
         # The simulated nodes share one secret, as real ones would share a file or PEERSTATE_SECRET.
         secret_file = self.dir / "job.secret"
         if not secret_file.exists():
@@ -50,7 +52,7 @@ class LocalJob:
             with open(log, "wb") as out:
                 self.agents.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                                     stdin=subprocess.DEVNULL, start_new_session=True))
-            if index == 0 and len(nodes) > 1:
+            if hosted and index == 0 and len(nodes) > 1:
                 store = self.wait_for(lambda: re.search(r"store at (\S+)", log.read_text()), "node 0's store",
                                       store_timeout).group(1)
 

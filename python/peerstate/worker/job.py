@@ -57,7 +57,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, T
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.environment import WorkerEnvironment
-from peerstate.control.kvstore import TorchKeyValueStore
+from peerstate.control.kvstore import TorchKeyValueStore, open_store
 from peerstate.control.messages import RecoveryPlan
 from peerstate.control.progress import ProgressCounter
 from peerstate.control.timeline import EventLog
@@ -145,7 +145,7 @@ class Job:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._replica_budget_bytes = replica_budget_bytes
         self.events = EventLog(env.events, env.worker)
-        self.kv = TorchKeyValueStore(env.store_host, env.store_port, timeout=join_timeout)
+        self.kv = open_store(env.store, timeout=join_timeout)  # TCPStore or etcd, as the agent says
         node_host, node_port = env.node_store.rsplit(":", 1)
         self.channel = TorchKeyValueStore(node_host, int(node_port), timeout=join_timeout)  # to its agent
         self.coordinator = Coordinator(self.kv)

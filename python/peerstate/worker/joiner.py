@@ -10,7 +10,7 @@ from typing import Optional
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
-from peerstate.control.kvstore import KeyValueStore, TorchKeyValueStore
+from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.messages import (MemberInstructions, MemberReport, NodeInstructions, RecoveryPlan, RestorePlan,
                                         RestoreSource, StateLayout)
 from peerstate.control.planning import expand, lost_without_checkpoint, node_of_worker
@@ -39,7 +39,7 @@ class EpochJoiner:
     the node channel its agent relays the recovery protocol through
     (``control.node_relay``)."""
 
-    def __init__(self, membership: Membership, kv: TorchKeyValueStore, channel: KeyValueStore, coordinator: Coordinator,
+    def __init__(self, membership: Membership, kv: KeyValueStore, channel: KeyValueStore, coordinator: Coordinator,
                  groups: ProcessGroups, tracked: TrackedState, restorer: Restorer, boundary: StepBoundary,
                  wrappers: DistributedWrappers, checkpoints: DiskCheckpoints, report: RecoveryReport,
                  events: EventLog, placement: BuddyPlacement, shares: DataParallelShares, world_size: int,
@@ -109,7 +109,7 @@ class EpochJoiner:
             rolling = Background(self.restorer.run, restore)
         self.groups.collective_timeout = plan.collective_timeout or self.groups.default_collective_timeout
         try:
-            self.groups.form(self.kv.torch_store, plan.epoch, rank, self.world_size, self.join_timeout)
+            self.groups.form(self.kv, plan.epoch, rank, self.world_size, self.join_timeout)
             self.check_current(plan.epoch)
         except (AbortedError, Superseded):
             if rolling is not None:

@@ -133,22 +133,25 @@ class ProcessGroups:
         self._formed: Set[Any] = set()      # the ProcessGroup objects formed here this epoch
         self._sockets: Set[str] = set()
         self._forming: Set[str] = set()   # the rendezvous connection while form() runs
+        self._rendezvous: Any = None       # the rendezvous store while form() runs
         self._abort_epoch = -1             # the newest epoch that asked for an abort
         self._lock = threading.Lock()
 
-    def form(self, torch_store, epoch: int, rank: int, world_size: int, timeout: float) -> None:
-        """Join the epoch's group (blocks until every rank joins, ``timeout``, or an
-        abort for a newer epoch: then AbortedError). With gloo, a member that dies in
-        the rendezvous can hold it up to five times ``connect_timeout`` past the abort."""
+    def form(self, kv, epoch: int, rank: int, world_size: int, timeout: float) -> None:
+        """Join the epoch's group through the job's store ``kv`` (a KeyValueStore; blocks
+        until every rank joins, ``timeout``, or an abort for a newer epoch: then
+        AbortedError). With gloo, a member that dies in the rendezvous can hold it up to
+        five times ``connect_timeout`` past the abort."""
         import torch.distributed as dist
 
         self.destroy()
         before = _socket_inodes()
-        rendezvous = torch_store.clone()
+        rendezvous = kv.rendezvous_store()
         with self._lock:
             if self._abort_epoch > epoch:
                 raise AbortedError(f"epoch {self._abort_epoch} began before the group of epoch {epoch} formed")
-            self._forming = _socket_inodes() - before
+            self._forming = _socket_inodes() - before  # a TCPStore clone's connection, shut by an abort
+            self._rendezvous = rendezvous              # an etcd one is interrupted instead
         # torch names the default group after a per-process counter, reset only when a
         # formed group is destroyed: a rendezvous aborted part way leaves it counted up,
         # and this rank would then wait under another name than a fresh spare's.
@@ -164,14 +167,14 @@ class ProcessGroups:
                 self._form_declared(declared, timeout, connect)
         except Exception as error:  # noqa: BLE001 - torch raises several types for a missed rendezvous
             with self._lock:
-                self._forming = set()
+                self._forming, self._rendezvous = set(), None
                 if self._abort_epoch > epoch:
                     raise AbortedError(f"epoch {self._abort_epoch} began while the group of epoch {epoch} "
                                        "formed") from None
             raise PeerstateTimeoutError(
                 f"forming the process group of epoch {epoch} failed within {timeout:.0f}s: {error}") from None
         with self._lock:
-            self._forming = set()
+            self._forming, self._rendezvous = set(), None
             self.epoch = epoch
             self._sockets = _socket_inodes() - before if self.backend == "gloo" else set()
             self._formed = set(dist.distributed_c10d._world.pg_names)
@@ -256,6 +259,8 @@ class ProcessGroups:
             self._abort_epoch = max(self._abort_epoch, new_epoch)
             if self._forming:
                 _shutdown(self._forming)
+            if hasattr(self._rendezvous, "interrupt"):
+                self._rendezvous.interrupt()
             if self.epoch is None:
                 return
             if self.backend == "gloo":

@@ -1,0 +1,109 @@
+"""EtcdKeyValueStore against real etcd clusters on 127.0.0.1: what the store's own
+failures do (a lost leader, a store gone past its bound), the interrupt an abort
+uses, and torch's process groups formed through it (the contract itself is in
+test_kvstore.py)."""
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from helpers.etcd import EtcdCluster  # noqa: E402
+
+from peerstate.control.etcd_store import EtcdKeyValueStore  # noqa: E402
+from peerstate.errors import StoreUnavailableError  # noqa: E402
+
+
+@pytest.fixture
+def cluster(tmp_path, request):
+    etcd = EtcdCluster(tmp_path, members=getattr(request, "param", 1))
+    yield etcd
+    etcd.close()
+
+
+@pytest.mark.parametrize("cluster", [3], indirect=True)
+def test_losing_the_leader_loses_no_write_and_no_wait(cluster):
+    kv = EtcdKeyValueStore(cluster.endpoints, "/peerstate/leader/", unavailable_timeout=15)
+    other = kv.clone()
+    kv.set("before", b"1")
+    assert kv.compare_set("owner", b"", b"agent0") == b"agent0"
+    for _ in range(5):
+        kv.add("counter", 1)
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(kv.clone().wait(["after"], timeout=20) or True))
+    waiter.start()
+    cluster.kill(cluster.leader())
+    # every call goes on, on the members left: no write lost, the winner still wins
+    other.set("after", b"2")
+    assert kv.get_many(["before", "after"]) == [b"1", b"2"]
+    assert kv.compare_set("owner", b"", b"agent1") == b"agent0"
+    assert kv.add("counter", 1) == 6
+    waiter.join(20)
+    assert waited == [True]
+
+
+def test_a_store_gone_past_its_bound_raises_naming_it_and_the_bound(cluster):
+    kv = EtcdKeyValueStore(cluster.endpoints, "/peerstate/gone/", unavailable_timeout=1.0)
+    kv.set("k", b"v")
+    cluster.kill(0)
+    for call in (lambda: kv.get("k"), lambda: kv.add("n", 1), lambda: kv.wait(["never"], timeout=30)):
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError) as raised:
+            call()
+        assert time.monotonic() - started < 10
+        assert cluster.endpoints[0] in str(raised.value) and "for 1s" in str(raised.value)
+
+
+def test_interrupt_fails_a_blocked_wait_at_once(cluster):
+    kv = EtcdKeyValueStore(cluster.endpoints, "/peerstate/interrupt/")
+    outcome = []
+
+    def wait():
+        try:
+            kv.wait(["never"], timeout=30)
+        except ConnectionAbortedError:
+            outcome.append(time.monotonic())
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    asked = time.monotonic()
+    kv.interrupt()
+    waiter.join(5)
+    assert outcome and outcome[0] - asked < 2
+
+
+RANK_SCRIPT = textwrap.dedent("""
+    import datetime, sys
+    import torch, torch.distributed as dist
+    from peerstate.control.etcd_store import EtcdKeyValueStore
+    rank, endpoints = int(sys.argv[1]), sys.argv[2].split(",")
+    store = EtcdKeyValueStore(endpoints, "/peerstate/groups/").rendezvous_store()
+    dist.init_process_group("gloo", store=dist.PrefixStore("epoch1/", store), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    sub = dist.new_group([0, 1])
+    dist.all_reduce(t, group=sub)
+    print(t.tolist(), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_torch_process_groups_form_through_it(cluster, tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    ranks = [subprocess.Popen([sys.executable, str(script), str(r), ",".join(cluster.endpoints)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outputs = [p.communicate(timeout=60)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert [p.returncode for p in ranks] == [0, 0], outputs
+    assert all(out.strip().splitlines()[-1] == "[6.0, 6.0, 6.0]" for out in outputs), outputs

@@ -1,0 +1,90 @@
+"""Jobs whose control plane lives in a real etcd cluster (``--store etcd://``): node
+0 is a node like any other, the store's own leader can die mid-job, and a store
+gone past its bound stops every agent cleanly. Real agents, workers, signals
+and etcd processes on 127.0.0.1."""
+
+import signal
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from helpers.etcd import EtcdCluster  # noqa: E402
+from helpers.jobs import Job, _pids_with_env  # noqa: E402
+
+STEPS = 40
+FAST = ["--lease-timeout", "1.5", "--hang-timeout", "1.5", "--spare-timeout", "30", "--join-timeout", "60"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The fault-free run's final parameters (a TCPStore job: the store must not matter)."""
+    job = Job(tmp_path_factory.mktemp("reference"), [(4, 0)], steps=STEPS)
+    try:
+        assert job.wait() == [0], job.describe()
+        return torch.load(job.out)
+    finally:
+        job.close()
+
+
+@pytest.fixture
+def etcd(tmp_path, request):
+    cluster = EtcdCluster(tmp_path, members=getattr(request, "param", 1))
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def run(tmp_path, etcd):
+    jobs = []
+
+    def start(nodes, agent_args=(), **kwargs):
+        job = Job(tmp_path / f"job{len(jobs)}", nodes, steps=kwargs.pop("steps", STEPS), store=etcd.url,
+                  agent_args=[*FAST, "--job-id", f"{tmp_path.name}-{len(jobs)}", *agent_args], **kwargs)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.close()
+
+
+@pytest.mark.parametrize("etcd", [3], indirect=True)
+def test_the_etcd_leader_and_then_node_0_lost_and_the_job_ends_bitwise(run, etcd, reference):
+    # With a TCPStore, node 0 hosts the store and its loss stops the job.
+    job = run([(2, 0), (2, 2)], agent_args=["--store-timeout", "15"])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for_step(0, 5)
+    etcd.kill(etcd.leader())
+    job.wait_for_step(0, 12)  # training goes on, on the two members left
+    job.kill_node(0)
+    codes = job.wait()
+    assert codes[0] == -signal.SIGKILL and codes[1] == 0, job.describe()
+    final = torch.load(job.out)
+    different = [k for k in final if not torch.equal(final[k], reference[k])]
+    assert final.keys() == reference.keys() and not different, f"parameters {different} differ"
+    [plan] = job.events("plan")
+    assert sorted(plan["failed"]) == [0, 1] and "node 0 lost" in plan["reason"]
+
+
+def test_a_store_gone_past_its_bound_stops_every_agent_and_keeps_the_checkpoints(run, etcd, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    job = run([(2, 1), (2, 0)], steps=10_000,
+              agent_args=["--store-timeout", "2", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "3"])
+    job.wait_for_step(3, 7)
+    saved = sorted(p.relative_to(checkpoints) for p in checkpoints.rglob("*") if p.is_file())
+    etcd.kill(0)
+    gone = time.monotonic()
+    codes = job.wait(timeout=60)
+    stopped = time.monotonic() - gone
+    assert codes == [1, 1], job.describe()
+    assert stopped < 2 + 15, f"the agents stopped {stopped:.0f}s after the store, past its 2 s bound and margin"
+    for log in job.agent_logs:
+        summary = log.read_text()
+        assert "cannot go on" in summary and etcd.endpoints[0] in summary and "for 2s" in summary, summary
+        assert f"checkpoints in {checkpoints} are kept" in summary, summary
+    # nothing of the job is left, and what was checkpointed is still there
+    assert not [pid for n in range(2) for k in range(3) for pid in _pids_with_env("PEERSTATE_WORKER", f"n{n}.{k}")]
+    assert saved and all((checkpoints / p).is_file() for p in saved)
+    assert not job.events("plan")  # no agent planned a recovery out of a lost store
