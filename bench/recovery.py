@@ -15,10 +15,14 @@ of state per rank; bench/recovery_job.py), measured in the same run:
   and each loads its torch.save checkpoint from local disk (still in the page
   cache: the most favourable case for the baseline).
 
-Run: python bench/recovery.py [--quick] [--state-mib 256] [--repeat 3] [--data-parallel-shares N]
+With ``--etcd`` each run also recovers the same job with its control plane in a
+3-member etcd cluster on loopback (``--store etcd://``) instead of node 0's
+TCPStore: the ``etcd_s`` column, and the ratio of the two in the same run.
+
+Run: python bench/recovery.py [--quick] [--state-mib 256] [--repeat 3] [--data-parallel-shares N] [--etcd]
 Writes bench/results/recovery.json (recovery_replicated.json with --replicated,
-recovery_shares{N}.json with --data-parallel-shares N):
-rows with phase, ours_s, baseline_s, speedup.
+recovery_shares{N}.json with --data-parallel-shares N, recovery_etcd.json with
+--etcd): rows with phase, ours_s, baseline_s, speedup (and etcd_s).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from peerstate.tools.etcd_cluster import EtcdCluster
 from peerstate.tools.local import LocalJob, kill_all, start_plain_workers, wait_until
 
 HERE = Path(__file__).resolve().parent
@@ -46,12 +51,13 @@ KEEP_LOGS_OVER_S = 5.0  # a recovery this slow keeps its folder
 
 
 def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float,
-                       replicated: bool, shares: Optional[int]) -> dict:
+                       replicated: bool, shares: Optional[int], etcd: Optional[str] = None) -> dict:
+    store_args = ["--job-id", f"{work.parent.name}-{work.name}"] if etcd else []  # one per run
     job = LocalJob(work, [(2, 1), (2, 0)],
                    [str(JOB), "--mode", "peerstate", "--state-mib", str(state_mib), "--steps", str(steps)]
                    + (["--replicated"] if replicated else [])
                    + (["--data-parallel-shares", str(shares)] if shares else []),
-                   agent_args=["--inject", f"kill:rank=2:step={kill_step}"])
+                   agent_args=["--inject", f"kill:rank=2:step={kill_step}", *store_args], store=etcd)
     try:
         codes = job.wait(timeout)
         if codes != [0, 0]:
@@ -102,53 +108,76 @@ def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, tim
 
 
 def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: float = 300.0,
-        replicated: bool = False, shares: Optional[int] = None) -> list:
+        replicated: bool = False, shares: Optional[int] = None, etcd: bool = False) -> list:
     repeat = repeat or (1 if quick else 3)
     steps, kill_step = 60, 25
-    ours, baseline = [], []
-    for index in range(repeat):
-        work = Path(tempfile.mkdtemp(prefix="peerstate-recovery-"))
-        (work / "ours").mkdir()
-        (work / "base").mkdir()
-        ours.append(peerstate_recovery(work / "ours", state_mib, steps, kill_step, timeout, replicated, shares))
-        baseline.append(restart_recovery(work / "base", state_mib, steps, kill_step, timeout))
-        if ours[-1]["total_s"] < KEEP_LOGS_OVER_S:
-            shutil.rmtree(work)
-        else:  # a rare slow recovery: its event log and worker logs are what explains it
-            print(f"  run {index + 1}: recovery took {ours[-1]['total_s']:.1f}s; its logs are kept in {work}")
-        memory = (f", {ours[-1]['chunks_from_memory']} of the {ours[-1]['chunks_pulled']} data-parallel chunks "
-                  "pulled (by all ranks) read from same-node memory" if ours[-1]["chunks_pulled"] else "")
-        print(f"  run {index + 1}/{repeat}: peerstate {ours[-1]['total_s']:.3f}s, "
-              f"restart {baseline[-1]['total_s']:.3f}s ({baseline[-1]['total_s'] / ours[-1]['total_s']:.1f}x)"
-              f"{memory}", flush=True)
+    ours, baseline, over_etcd = [], [], []
+    cluster = EtcdCluster(Path(tempfile.mkdtemp(prefix="peerstate-etcd-")), members=3) if etcd else None
+    try:
+        for index in range(repeat):
+            work = Path(tempfile.mkdtemp(prefix="peerstate-recovery-"))
+            (work / "ours").mkdir()
+            (work / "base").mkdir()
+            ours.append(peerstate_recovery(work / "ours", state_mib, steps, kill_step, timeout, replicated, shares))
+            if cluster:
+                (work / "etcd").mkdir()
+                over_etcd.append(peerstate_recovery(work / "etcd", state_mib, steps, kill_step, timeout, replicated,
+                                                    shares, etcd=cluster.url))
+            baseline.append(restart_recovery(work / "base", state_mib, steps, kill_step, timeout))
+            slowest = max(r["total_s"] for r in (ours[-1], *over_etcd[-1:]))
+            if slowest < KEEP_LOGS_OVER_S:
+                shutil.rmtree(work)
+            else:  # a rare slow recovery: its event log and worker logs are what explains it
+                print(f"  run {index + 1}: recovery took {slowest:.1f}s; its logs are kept in {work}")
+            memory = (f", {ours[-1]['chunks_from_memory']} of the {ours[-1]['chunks_pulled']} data-parallel chunks "
+                      "pulled (by all ranks) read from same-node memory" if ours[-1]["chunks_pulled"] else "")
+            with_etcd = f", over etcd {over_etcd[-1]['total_s']:.3f}s" if cluster else ""
+            print(f"  run {index + 1}/{repeat}: peerstate {ours[-1]['total_s']:.3f}s{with_etcd}, "
+                  f"restart {baseline[-1]['total_s']:.3f}s ({baseline[-1]['total_s'] / ours[-1]['total_s']:.1f}x)"
+                  f"{memory}", flush=True)
+    finally:
+        if cluster:
+            cluster.close()
+            shutil.rmtree(cluster.directory, ignore_errors=True)
     median = statistics.median
     rows = [{"phase": p, "ours_s": median(r["phases"][p] for r in ours), "baseline_s": None, "speedup": None}
             for p in OUR_PHASES]
+    if over_etcd:
+        for row in rows:
+            row["etcd_s"] = median(r["phases"][row["phase"]] for r in over_etcd)
     rows += [{"phase": f"baseline {p}", "ours_s": None, "baseline_s": median(r["phases"][p] for r in baseline),
               "speedup": None} for p in BASELINE_PHASES]
     ours_total = median(r["total_s"] for r in ours)
     base_total = median(r["total_s"] for r in baseline)
     rows.append({"phase": "kill to first step", "ours_s": ours_total, "baseline_s": base_total,
                  "speedup": base_total / ours_total})
+    if over_etcd:
+        etcd_total = median(r["total_s"] for r in over_etcd)
+        rows[-1].update(etcd_s=etcd_total, etcd_speedup=base_total / etcd_total, etcd_vs_tcpstore=etcd_total / ours_total)
     for row in rows:
         row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat,
                    data_parallel_shares=shares or 2,  # the Job's default here: one per worker of a node
                    state_from="buddies (replicated)" if replicated else "surviving ranks (data_parallel)")
     rows.append({"phase": "each run", "runs": [
         {"ours_s": o["total_s"], "baseline_s": b["total_s"], "speedup": b["total_s"] / o["total_s"],
-         "chunks_from_memory": o["chunks_from_memory"], "chunks_pulled": o["chunks_pulled"]}
-        for o, b in zip(ours, baseline)]})
+         "chunks_from_memory": o["chunks_from_memory"], "chunks_pulled": o["chunks_pulled"],
+         **({"etcd_s": e["total_s"]} if e else {})}
+        for o, b, e in zip(ours, baseline, over_etcd or [None] * len(ours))]})
     return rows
 
 
 def print_table(rows: list) -> None:
-    print(f"{'phase':<28}{'peerstate s':>13}{'restart s':>12}{'speedup':>10}")
+    etcd = any("etcd_s" in row for row in rows)
+    print(f"{'phase':<28}{'peerstate s':>13}" + (f"{'over etcd s':>13}" if etcd else "")
+          + f"{'restart s':>12}{'speedup':>10}" + (f"{'etcd/tcp':>10}" if etcd else ""))
     for row in rows:
         if "runs" in row and "ours_s" not in row:
             continue  # the per-run figures, printed as they came
-        cells = [f"{row[k]:.3f}" if row[k] is not None else "" for k in ("ours_s", "baseline_s")]
+        cells = [f"{row[k]:.3f}" if row.get(k) is not None else "" for k in ("ours_s", "etcd_s", "baseline_s")]
         speedup = f"{row['speedup']:.1f}x" if row["speedup"] else ""
-        print(f"{row['phase']:<28}{cells[0]:>13}{cells[1]:>12}{speedup:>10}")
+        ratio = f"{row['etcd_vs_tcpstore']:.2f}" if row.get("etcd_vs_tcpstore") else ""
+        print(f"{row['phase']:<28}{cells[0]:>13}" + (f"{cells[1]:>13}" if etcd else "")
+              + f"{cells[2]:>12}{speedup:>10}" + (f"{ratio:>10}" if etcd else ""))
 
 
 def main() -> None:
@@ -162,12 +191,17 @@ def main() -> None:
     parser.add_argument("--data-parallel-shares", type=int, default=None,
                         help="Job(data_parallel_shares=N) (default: 2, one per worker of a node; 1: a full copy per "
                              "rank); writes recovery_shares{N}.json")
+    parser.add_argument("--etcd", action="store_true",
+                        help="also recover with the control plane in a 3-member etcd cluster on loopback (needs the "
+                             "etcd binary); writes recovery_etcd.json")
     args = parser.parse_args()
     print(f"recovery of 4 workers + 1 spare, {args.state_mib} MiB of state per rank, kill -9 of rank 2, state "
           f"from {'its buddy' if args.replicated else 'the surviving ranks (data_parallel)'}")
-    rows = run(args.quick, args.state_mib, args.repeat, replicated=args.replicated, shares=args.data_parallel_shares)
+    rows = run(args.quick, args.state_mib, args.repeat, replicated=args.replicated, shares=args.data_parallel_shares,
+               etcd=args.etcd)
     print_table(rows)
-    path = (RESULTS.with_name("recovery_replicated.json") if args.replicated else
+    path = (RESULTS.with_name("recovery_etcd.json") if args.etcd else
+            RESULTS.with_name("recovery_replicated.json") if args.replicated else
             RESULTS.with_name(f"recovery_shares{args.data_parallel_shares}.json") if args.data_parallel_shares else
             RESULTS)
     path.parent.mkdir(exist_ok=True)

@@ -3,6 +3,8 @@ failures do (a lost leader, a store gone past its bound), the interrupt an abort
 uses, and torch's process groups formed through it (the contract itself is in
 test_kvstore.py)."""
 
+import http.client
+import json
 import subprocess
 import sys
 import textwrap
@@ -57,6 +59,33 @@ def test_a_store_gone_past_its_bound_raises_naming_it_and_the_bound(cluster):
             call()
         assert time.monotonic() - started < 10
         assert cluster.endpoints[0] in str(raised.value) and "for 1s" in str(raised.value)
+
+
+def test_a_watch_from_a_compacted_revision_reads_what_it_missed(cluster):
+    # A shared etcd (Kubernetes') compacts its history every few minutes: a watch that
+    # starts again from an old revision is cancelled, and must not miss the key.
+    kv = EtcdKeyValueStore(cluster.endpoints, "/peerstate/compacted/")
+    kv.set("k", b"1")
+    for value in range(5):
+        kv.set("other", str(value).encode())
+    head = int(_post(cluster, "/v3/kv/range", {"key": "eA=="})["header"]["revision"])
+    _post(cluster, "/v3/kv/compaction", {"revision": str(head), "physical": True})
+    kv._watch_for("k", 2, time.monotonic() + 5)  # returns: k is there
+    with pytest.raises(TimeoutError):
+        kv._watch_for("absent", 2, time.monotonic() + 0.5)
+
+
+def _post(cluster, path, body):
+    """A request of our own to the first member (not through the store under test)."""
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.client_ports[0], timeout=5)
+    try:
+        connection.request("POST", path, body=json.dumps(body))
+        response = connection.getresponse()
+        data = response.read()
+        assert response.status == 200, data
+        return json.loads(data)
+    finally:
+        connection.close()
 
 
 def test_interrupt_fails_a_blocked_wait_at_once(cluster):

@@ -1,23 +1,14 @@
-"""A real etcd cluster on 127.0.0.1 for tests: ``members`` etcd processes with
-ports picked free by the kernel, each killable with SIGKILL, all stopped by
-``close()`` (the fixtures call it). Needs the ``etcd`` binary (Debian's
-etcd-server, which .ci/run installs): without it the tests that need it are
-skipped, except under CI, where that is a failure."""
+"""The tests' etcd: ``EtcdCluster`` (peerstate.tools.etcd_cluster) once the etcd
+binary is known to be there (Debian's etcd-server, which .ci/run installs):
+without it the tests that need it are skipped, except under CI, where that is a
+failure. The fixtures close every cluster they start."""
 
-from __future__ import annotations
-
-import http.client
-import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import time
-from pathlib import Path
-from typing import List, Optional
 
 import pytest
+
+from peerstate.tools.etcd_cluster import EtcdCluster as _EtcdCluster
 
 
 def require_etcd() -> str:
@@ -29,86 +20,6 @@ def require_etcd() -> str:
     return binary
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class EtcdCluster:
-    def __init__(self, directory: Path, members: int = 1) -> None:
-        binary = require_etcd()
-        self.directory = directory
-        self.client_ports = [_free_port() for _ in range(members)]
-        peer_ports = [_free_port() for _ in range(members)]
-        initial = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peer_ports))
-        self.processes: List[Optional[subprocess.Popen]] = []
-        for i in range(members):
-            client, peer = f"http://127.0.0.1:{self.client_ports[i]}", f"http://127.0.0.1:{peer_ports[i]}"
-            log = open(directory / f"etcd-m{i}.log", "wb")
-            self.processes.append(subprocess.Popen(
-                [binary, "--name", f"m{i}", "--data-dir", str(directory / f"etcd-m{i}"),
-                 "--listen-client-urls", client, "--advertise-client-urls", client,
-                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", initial, "--initial-cluster-state", "new",
-                 "--initial-cluster-token", f"peerstate-test-{os.getpid()}",
-                 # a loopback cluster: elect a new leader within ~0.5 s of losing one
-                 "--heartbeat-interval", "50", "--election-timeout", "500"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        try:
-            self._wait_healthy(timeout=30)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def endpoints(self) -> List[str]:
-        return [f"127.0.0.1:{p}" for p in self.client_ports]
-
-    @property
-    def url(self) -> str:
-        """What ``peerstate run --store`` takes."""
-        return "etcd://" + ",".join(self.endpoints)
-
-    def status(self, member: int) -> dict:
-        connection = http.client.HTTPConnection("127.0.0.1", self.client_ports[member], timeout=2)
-        try:
-            connection.request("POST", "/v3/maintenance/status", body="{}")
-            return json.loads(connection.getresponse().read())
-        finally:
-            connection.close()
-
-    def leader(self) -> int:
-        """The index of the member that leads now."""
-        for i, process in enumerate(self.processes):
-            if process is None:
-                continue
-            status = self.status(i)
-            if status.get("leader") and status["leader"] == status["header"]["member_id"]:
-                return i
-        raise RuntimeError("no member leads")
-
-    def kill(self, member: int) -> None:
-        process = self.processes[member]
-        if process is not None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-            self.processes[member] = None
-
-    def close(self) -> None:
-        for i in range(len(self.processes)):
-            self.kill(i)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if all(self.status(i).get("leader") for i in range(len(self.processes))):
-                    return
-            except (OSError, ValueError, http.client.HTTPException):
-                pass
-            if time.monotonic() > deadline:
-                logs = "\n".join((self.directory / f"etcd-m{i}.log").read_text()[-2000:]
-                                 for i in range(len(self.processes)))
-                raise RuntimeError(f"etcd did not become healthy within {timeout}s:\n{logs}")
-            time.sleep(0.05)
+def EtcdCluster(directory, members=1):  # noqa: N802 - stands for the class
+    require_etcd()
+    return _EtcdCluster(directory, members)

@@ -35,4 +35,4 @@ def test_errors_exports_every_native_exception():
     names = {name for _, _, name, _, _ in _C.status_codes} | {"Error"}
     assert names <= set(errors.__all__)
     assert all(getattr(errors, name) is getattr(_C, name) for name in names)
-    assert set(errors.__all__) - names == {"JobFailedError", "StateLostError"}
+    assert set(errors.__all__) - names == {"JobFailedError", "StateLostError", "StoreUnavailableError"}

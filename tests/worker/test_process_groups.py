@@ -120,6 +120,60 @@ time.sleep(60)  # never enters the collective""") as peer:
             timed.destroy()
 
 
+def test_a_send_partly_written_when_its_peer_dies_waits_out_its_timeout_whatever_is_shut_down(groups):
+    # Pins the gloo behaviour that collective_timeout and AFTER_ABORT_WAIT exist for.
+    # gloo's tcp Pair::signalException wakes the pair's pending operations and the
+    # bound buffers (op.buf) of its transmit queue, but not an unbound buffer's send in
+    # that queue (op.ubuf): every torch collective and point-to-point send is one. A
+    # send partly written (its peer stopped reading) when the peer dies then waits in
+    # UnboundBuffer::waitSend for its timeout, though the abort shut its socket down.
+    # If this fails, gloo wakes that send now, and the two timeouts can go.
+    import os
+    import signal
+    import threading
+    import time
+
+    kv, _ = groups
+    timed = ProcessGroups("gloo", connect_timeout=3.0)  # a send waits its gloo context's timeout: this one
+    with _peer(kv, 0, """
+buffer = torch.empty(16 << 20)
+work = dist.irecv(buffer, src=0)
+print("posted", flush=True)
+os.kill(os.getpid(), 19)  # SIGSTOP: from now on it reads nothing""") as peer:
+        try:
+            timed.form(kv, 0, rank=0, world_size=2, timeout=30)
+            assert peer.stdout.readline().strip() == "posted"
+            deadline = time.monotonic() + 10
+            while open(f"/proc/{peer.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+                assert time.monotonic() < deadline, "the peer did not stop"
+                time.sleep(0.01)
+            time.sleep(0.2)  # its receive-ready notice is in: the send below goes out at once
+            outcome = {}
+
+            def send():
+                try:
+                    dist.send(torch.ones(16 << 20), dst=1)  # 64 MiB: far more than the socket buffers hold
+                    outcome["sent"] = time.monotonic()
+                except RuntimeError as error:
+                    outcome["error"], outcome["at"] = str(error), time.monotonic()
+
+            started = time.monotonic()
+            sender = threading.Thread(target=send)
+            sender.start()
+            time.sleep(0.5)  # partly written, the rest in the pair's transmit queue
+            os.kill(peer.pid, signal.SIGKILL)
+            peer.wait()
+            time.sleep(0.2)  # the pair has seen the reset
+            timed.abort(1)  # 0.7 s into the send
+            sender.join(30)
+            assert "error" in outcome, outcome
+            assert "send operation to complete" in outcome["error"], outcome["error"]
+            assert outcome["at"] - started > 2.8, ("the send was woken by the abort: gloo fixed Pair::signalException, "
+                                                   "collective_timeout and AFTER_ABORT_WAIT are no longer needed")
+        finally:
+            timed.destroy()
+
+
 # Rank 1 of the group: forms through a store that, once gloo has published this
 # process's address, exits, before it connects anything. The address it publishes
 # says 127.0.0.2: gloo lets the side with the larger address connect, so rank 0

@@ -307,6 +307,15 @@ class EtcdKeyValueStore(KeyValueStore):
                     if not line:
                         raise _Retry("the watch stream ended")
                     result = json.loads(line).get("result", {})
+                    if result.get("compact_revision"):
+                        # history before ``revision`` is gone: what a read finds now is what was missed
+                        [(value, _)], now_at = self._read([key])
+                        if value is not None:
+                            return
+                        revision = now_at + 1
+                        body = json.dumps({"create_request": {"key": _b64(self._key(key)),
+                                                              "start_revision": str(revision)}})
+                        raise _Retry(f"history compacted past revision {revision - 1}")
                     if result.get("canceled"):
                         raise _Retry(result.get("cancel_reason", "watch canceled"))
                     if any(event.get("type", "PUT") == "PUT" for event in result.get("events", [])):

@@ -269,7 +269,7 @@ class Agent:
                         self._wait_for_other_nodes()
                     return 0
                 self._follow_spares()
-                self._check_hangs(now)
+                self._check_hangs(time.monotonic())  # fresh: a stale now reads a live worker as hung
                 self._check_leases(time.monotonic())  # not ``now``: the calls above may have waited for the store
                 self._refill()
             time.sleep(POLL_SECONDS)
