@@ -69,6 +69,11 @@ def test_append_and_wait(kv):
         kv.wait(["never"], timeout=0.2)
     threading.Timer(0.1, kv.clone().set, args=("later", b"1")).start()
     kv.wait(["later"], timeout=5)
+    threading.Timer(0.1, kv.clone().set, args=("value later", b"v")).start()
+    assert kv.wait_get("value later", timeout=5) == b"v"  # the value the wait saw put
+    assert kv.wait_get("value later", timeout=0.1) == b"v"  # there already
+    with pytest.raises(TimeoutError):
+        kv.wait_get("never", timeout=0.2)
 
 
 def test_one_plan_per_epoch_over_either_store(kv):

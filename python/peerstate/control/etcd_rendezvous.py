@@ -38,11 +38,10 @@ def _define():
             self.kv.set(key, _bytes(value))
 
         def get(self, key: str) -> bytes:
-            self._wait([key], None)
-            value = self.kv.get(key)
-            if value is None:
-                raise RuntimeError(f"key {key!r} vanished from the rendezvous store")
-            return value
+            try:
+                return self.kv.wait_get(key, self.wait_timeout)
+            except TimeoutError:
+                raise dist.DistStoreError(f"get of {key!r} timed out after {self.wait_timeout:.1f}s") from None
 
         def add(self, key: str, amount: int) -> int:
             return self.kv.add(key, amount)

@@ -154,6 +154,13 @@ class EtcdKeyValueStore(KeyValueStore):
             if value is None:
                 self._watch_for(key, revision + 1, deadline)
 
+    def wait_get(self, key: str, timeout: float) -> bytes:
+        # One read when the key exists; else the value the watch event carries.
+        [(value, _)], revision = self._read([key])
+        if value is not None:
+            return value
+        return self._watch_for(key, revision + 1, time.monotonic() + timeout)
+
     def clone(self) -> "EtcdKeyValueStore":
         return EtcdKeyValueStore([f"{h}:{p}" for h, p in self.endpoints], self.prefix,
                                  unavailable_timeout=self.unavailable_timeout, _count=self.count)
@@ -274,10 +281,10 @@ class EtcdKeyValueStore(KeyValueStore):
                 self._connection.close()
                 self._connection = None
 
-    def _watch_for(self, key: str, revision: int, deadline: float) -> None:
-        """Block until ``key`` is put at ``revision`` or later (TimeoutError at the
-        deadline). A member lost mid-watch: the watch starts again on the next one,
-        from the same revision, so no put is missed."""
+    def _watch_for(self, key: str, revision: int, deadline: float) -> bytes:
+        """Block until ``key`` is put at ``revision`` or later and return the value put
+        (TimeoutError at the deadline). A member lost mid-watch: the watch starts again
+        on the next one, from the same revision, so no put is missed."""
         body = json.dumps({"create_request": {"key": _b64(self._key(key)), "start_revision": str(revision)}})
         unreachable_since: Optional[float] = None
         while True:
@@ -311,15 +318,18 @@ class EtcdKeyValueStore(KeyValueStore):
                         # history before ``revision`` is gone: what a read finds now is what was missed
                         [(value, _)], now_at = self._read([key])
                         if value is not None:
-                            return
+                            return value
                         revision = now_at + 1
                         body = json.dumps({"create_request": {"key": _b64(self._key(key)),
                                                               "start_revision": str(revision)}})
                         raise _Retry(f"history compacted past revision {revision - 1}")
                     if result.get("canceled"):
                         raise _Retry(result.get("cancel_reason", "watch canceled"))
-                    if any(event.get("type", "PUT") == "PUT" for event in result.get("events", [])):
-                        return
+                    for event in result.get("events", []):
+                        if event.get("type", "PUT") == "PUT":
+                            value = base64.b64decode(event["kv"].get("value", ""))
+                            self.count.received([value])
+                            return value
             except socket.timeout:
                 if deadline - time.monotonic() <= 0:
                     raise TimeoutError(f"key {key!r} did not appear in {self.describe()} in time") from None

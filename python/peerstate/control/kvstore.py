@@ -49,6 +49,12 @@ class KeyValueStore:
             raise KeyError(f"get_existing: {[k for k, v in zip(keys, values) if v is None]} do not exist")
         return values  # type: ignore[return-value]
 
+    def wait_get(self, key: str, timeout: float) -> bytes:
+        """Block until ``key`` exists and return its value (fewer round trips than
+        wait() then get() where the store allows it); TimeoutError after ``timeout``."""
+        self.wait([key], timeout)
+        return self.get_existing([key])[0]
+
     def add(self, key: str, amount: int) -> int:
         """Atomically add to an integer counter (created at 0); returns the new value."""
         raise NotImplementedError
