@@ -153,7 +153,8 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
                  "speedup": base_total / ours_total})
     if over_etcd:
         etcd_total = median(r["total_s"] for r in over_etcd)
-        rows[-1].update(etcd_s=etcd_total, etcd_speedup=base_total / etcd_total, etcd_vs_tcpstore=etcd_total / ours_total)
+        rows[-1].update(etcd_s=etcd_total, etcd_speedup=base_total / etcd_total,
+                        etcd_vs_tcpstore=etcd_total / ours_total)
     for row in rows:
         row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat,
                    data_parallel_shares=shares or 2,  # the Job's default here: one per worker of a node

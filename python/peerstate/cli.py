@@ -11,6 +11,7 @@ from typing import List, Mapping, Optional
 def agent_config(args: argparse.Namespace, environ: Mapping[str, str]):
     """The AgentConfig that ``peerstate run`` ARGS start (Slurm's environment fills what
     the flags leave out); InvalidArgumentError naming what is missing."""
+    from peerstate.control.etcd_store import TlsFiles
     from peerstate.errors import InvalidArgumentError
     from peerstate.launcher.agent import AgentConfig
     from peerstate.launcher.cluster_env import slurm_defaults
@@ -31,7 +32,8 @@ def agent_config(args: argparse.Namespace, environ: Mapping[str, str]):
                        lease_timeout=args.lease_timeout, spare_timeout=args.spare_timeout,
                        join_timeout=args.join_timeout, checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, inject=args.inject, secret_file=args.secret_file,
-                       frame_protection=args.frame_protection, job_id=args.job_id, store_timeout=args.store_timeout)
+                       frame_protection=args.frame_protection, job_id=args.job_id, store_timeout=args.store_timeout,
+                       store_tls=TlsFiles(args.store_cacert, args.store_cert, args.store_key))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -88,11 +90,16 @@ def parser() -> argparse.ArgumentParser:
                      help="this node's index, node 0 hosts a TCPStore (default: SLURM_NODEID, else 0)")
     run.add_argument("--store", default=None, help="the job's store: HOST:PORT of a TCPStore that node 0 hosts "
                      "(port 0 = any; under Slurm: the first host of SLURM_JOB_NODELIST, port 29400), or "
-                     "etcd://HOST:PORT[,HOST:PORT...] of an etcd cluster, which no node's loss takes down")
+                     "etcd://HOST:PORT[,HOST:PORT...] of an etcd cluster, which no node's loss takes down "
+                     "(etcds://: TLS)")
     run.add_argument("--job-id", default=None, help="with etcd: the job's name, its keys' prefix; one per run "
                      "(default: slurm-SLURM_JOB_ID)")
     run.add_argument("--store-timeout", type=float, default=20.0, help="with etcd: seconds the store may not answer "
-                     "before every agent stops its job (longer than --lease-timeout)")
+                     "before every agent stops its job")
+    run.add_argument("--store-cacert", default=None, help="with etcds://: the CA that signed the members (PEM; "
+                     "default: the system's CAs)")
+    run.add_argument("--store-cert", default=None, help="with etcds://: this client's certificate (PEM)")
+    run.add_argument("--store-key", default=None, help="with etcds://: this client's private key (PEM)")
     run.add_argument("--host", default="127.0.0.1", help="address this node's replication servers listen on")
     run.add_argument("--log-dir", default="peerstate-logs", help="worker logs and events.jsonl")
     run.add_argument("--hang-timeout", type=float, default=10.0, help="seconds without progress before a "

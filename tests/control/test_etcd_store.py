@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from helpers.etcd import EtcdCluster  # noqa: E402
+from helpers.etcd import EtcdCluster, make_tls  # noqa: E402
 
-from peerstate.control.etcd_store import EtcdKeyValueStore  # noqa: E402
-from peerstate.errors import StoreUnavailableError  # noqa: E402
+from peerstate.control.etcd_store import EtcdKeyValueStore, TlsFiles  # noqa: E402
+from peerstate.errors import InvalidArgumentError, StoreUnavailableError  # noqa: E402
 
 
 @pytest.fixture
@@ -136,3 +136,26 @@ def test_torch_process_groups_form_through_it(cluster, tmp_path):
             p.kill()
     assert [p.returncode for p in ranks] == [0, 0], outputs
     assert all(out.strip().splitlines()[-1] == "[6.0, 6.0, 6.0]" for out in outputs), outputs
+
+
+def test_a_tls_cluster_that_asks_for_client_certificates(tmp_path):
+    # Kubernetes' etcd speaks TLS and wants a client certificate: the store presents one,
+    # hands the files on in its address (what a worker opens), and a missing one is a
+    # configuration error at once, not an unavailable store.
+    tls = make_tls(tmp_path)
+    cluster = EtcdCluster(tmp_path, tls=tls)
+    try:
+        files = TlsFiles(tls.ca, tls.client_cert, tls.client_key)
+        kv = EtcdKeyValueStore.for_job(cluster.url, "tls", tls=files)
+        assert kv.compare_set("owner", b"", b"agent0") == b"agent0"
+        threading.Timer(0.1, kv.clone().set, args=("later", b"1")).start()
+        assert kv.wait_get("later", timeout=5) == b"1"
+        worker = EtcdKeyValueStore.from_address(kv.address)
+        assert worker.address.startswith("etcds://") and worker.get("owner") == b"agent0"
+        started = time.monotonic()
+        for anonymous in (TlsFiles(tls.ca), TlsFiles()):  # no client certificate; then not even the CA
+            with pytest.raises(InvalidArgumentError, match="TLS handshake with etcd at 127.0.0.1.* --store-cert"):
+                EtcdKeyValueStore.for_job(cluster.url, "tls", tls=anonymous).get("owner")
+        assert time.monotonic() - started < 5
+    finally:
+        cluster.close()

@@ -249,8 +249,6 @@ def test_a_member_that_dies_in_the_rendezvous_holds_the_others_five_connect_time
 
 
 def test_a_group_created_under_the_connect_timeout_waits_its_full_timeout_in_collectives(groups):
-    import time
-
     kv, _ = groups
     forming = ProcessGroups("gloo", connect_timeout=1.0)
     with _peer(kv, 1, """

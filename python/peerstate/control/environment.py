@@ -124,7 +124,7 @@ class WorkerEnvironment:
             PEERSTATE_ROLE="spare" if self.spare else "worker", PEERSTATE_FRAME_PROTECTION=self.protection,
             PEERSTATE_NODE_STORE=self.node_store,
         )
-        if not self.store.startswith("etcd://"):  # a TCPStore; etcd has no single address to name
+        if not self.store.startswith(("etcd://", "etcds://")):  # a TCPStore; etcd has no one address to name
             host, _, port = self.store.rpartition(":")
             env.update(MASTER_ADDR=host, MASTER_PORT=port)
         if self.progress:
@@ -164,7 +164,7 @@ class WorkerEnvironment:
                 checkpoint_every=int(env.get("PEERSTATE_CHECKPOINT_EVERY", "0")),
                 protection=env.get("PEERSTATE_FRAME_PROTECTION", "authenticated"),
                 node_store=env["PEERSTATE_NODE_STORE"])
-            if not result.store.startswith("etcd://"):
+            if not result.store.startswith(("etcd://", "etcds://")):
                 int(result.store.rpartition(":")[2])  # HOST:PORT
             int(result.node_store.rpartition(":")[2])
         except InvalidArgumentError:

@@ -20,6 +20,12 @@ How the contract maps onto etcd:
 - ``wait`` reads the keys and watches each missing one from the revision of
   that read: no polling, and no create can slip between the read and the watch.
 
+TLS: ``etcds://`` speaks HTTPS, verifying the members against ``cacert`` (the
+system's CAs without one) and presenting ``cert``/``key`` where the cluster asks
+for client certificates (Kubernetes' etcd does). A handshake that fails on a
+certificate is a configuration error, raised at once (InvalidArgumentError), not
+an unavailable store.
+
 Failures of the store itself. A request that cannot reach a member, or that a
 member answers "unavailable" (no leader during an election), is sent to the
 next endpoint, backing off to 0.5 s after each round of all of them. Past
@@ -37,15 +43,18 @@ import base64
 import http.client
 import json
 import socket
+import ssl
 import threading
 import time
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 from peerstate.control.kvstore import KeyValueStore, RequestCount
 from peerstate.errors import InvalidArgumentError, StoreUnavailableError
 
 SCHEME = "etcd://"
+TLS_SCHEME = "etcds://"
 MAX_TXN_OPS = 128          # etcd's default --max-txn-ops
 DEFAULT_UNAVAILABLE_TIMEOUT = 20.0
 _UNAVAILABLE_CODES = {4, 14}  # gRPC DEADLINE_EXCEEDED ("request timed out"), UNAVAILABLE ("no leader")
@@ -59,18 +68,52 @@ class _Retry(Exception):
     """This member cannot answer now; try the next."""
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of an ``etcds://`` client: the CA that signed the members (None: the
+    system's), and this client's certificate and key (None: no client certificate)."""
+
+    cacert: Optional[str] = None
+    cert: Optional[str] = None
+    key: Optional[str] = None
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.cacert)
+        if self.cert:
+            context.load_cert_chain(self.cert, self.key)
+        return context
+
+    def query(self) -> str:
+        return "".join(f"&{name}={quote(path)}" for name, path in asdict(self).items() if path)
+
+
+def is_etcd(address: str) -> bool:
+    return address.startswith((SCHEME, TLS_SCHEME))
+
+
 class EtcdKeyValueStore(KeyValueStore):
-    """One client of an etcd cluster (not thread-safe within a call; ``clone()`` for
-    another thread). ``endpoints`` are ``HOST:PORT`` client URLs of the members."""
+    """One client of an etcd cluster; ``endpoints`` are the members' client ``HOST:PORT``.
+
+    Threads may share it: their calls take turns on one connection, and a wait
+    watches on a connection of its own (``clone()`` for a thread that must not
+    queue behind another's calls). Any call may block up to ``unavailable_timeout``
+    while no member answers, then raises StoreUnavailableError; ``interrupt()``
+    may be called from any thread."""
 
     def __init__(self, endpoints: Sequence[str], prefix: str, *,
-                 unavailable_timeout: float = DEFAULT_UNAVAILABLE_TIMEOUT,
+                 unavailable_timeout: float = DEFAULT_UNAVAILABLE_TIMEOUT, tls: Optional[TlsFiles] = None,
                  _count: Optional[RequestCount] = None) -> None:
         if not endpoints:
             raise InvalidArgumentError("an etcd store needs at least one HOST:PORT endpoint")
         self.endpoints = [_endpoint(e) for e in endpoints]
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self.unavailable_timeout = unavailable_timeout
+        self.tls = tls
+        try:
+            self._tls_context = tls.context() if tls else None
+        except (OSError, ssl.SSLError) as error:
+            raise InvalidArgumentError(f"the etcd TLS files {tls} cannot be used: {error} (check --store-cacert, "
+                                       "--store-cert and --store-key)") from None
         self.count = _count or RequestCount()
         self._current = 0
         self._connection: Optional[http.client.HTTPConnection] = None
@@ -80,30 +123,37 @@ class EtcdKeyValueStore(KeyValueStore):
 
     @classmethod
     def from_address(cls, address: str) -> "EtcdKeyValueStore":
-        """From ``etcd://H:P[,H:P...]/PREFIX[?unavailable_timeout=S]`` (``.address``)."""
+        """From ``etcd[s]://H:P[,H:P...]/PREFIX[?unavailable_timeout=S&cacert=...]`` (``.address``)."""
         parts = urlsplit(address)
-        query = parse_qs(parts.query)
-        timeout = float(query.get("unavailable_timeout", [DEFAULT_UNAVAILABLE_TIMEOUT])[0])
-        return cls(parts.netloc.split(","), parts.path or "/peerstate/default/", unavailable_timeout=timeout)
+        query = {name: values[0] for name, values in parse_qs(parts.query).items()}
+        timeout = float(query.get("unavailable_timeout", DEFAULT_UNAVAILABLE_TIMEOUT))
+        tls = TlsFiles(query.get("cacert"), query.get("cert"), query.get("key")) if parts.scheme == "etcds" else None
+        return cls(parts.netloc.split(","), parts.path or "/peerstate/default/", unavailable_timeout=timeout, tls=tls)
 
     @classmethod
-    def for_job(cls, url: str, job_id: str, unavailable_timeout: float = DEFAULT_UNAVAILABLE_TIMEOUT
-                ) -> "EtcdKeyValueStore":
-        """From what ``peerstate run --store`` takes (``etcd://H:P[,H:P...]``) and the job id."""
-        endpoints = urlsplit(url).netloc
-        if not endpoints or urlsplit(url).path not in ("", "/"):
-            raise InvalidArgumentError(f"--store {url!r}: an etcd store is etcd://HOST:PORT[,HOST:PORT...] (the "
-                                       "job's keys go under /peerstate/<--job-id>/)")
-        return cls(endpoints.split(","), f"/peerstate/{job_id}/", unavailable_timeout=unavailable_timeout)
+    def for_job(cls, url: str, job_id: str, unavailable_timeout: float = DEFAULT_UNAVAILABLE_TIMEOUT,
+                tls: Optional[TlsFiles] = None) -> "EtcdKeyValueStore":
+        """From what ``peerstate run --store`` takes (``etcd[s]://H:P[,H:P...]``) and the job id."""
+        parts = urlsplit(url)
+        if not parts.netloc or parts.path not in ("", "/"):
+            raise InvalidArgumentError(f"--store {url!r}: an etcd store is etcd://HOST:PORT[,HOST:PORT...], or "
+                                       "etcds://... for TLS (the job's keys go under /peerstate/<--job-id>/)")
+        if parts.scheme == "etcds":
+            tls = tls or TlsFiles()
+        elif tls and any(asdict(tls).values()):
+            raise InvalidArgumentError(f"--store {url!r} is plain HTTP: the TLS files are for etcds://")
+        return cls(parts.netloc.split(","), f"/peerstate/{job_id}/", unavailable_timeout=unavailable_timeout,
+                   tls=tls if parts.scheme == "etcds" else None)
 
     @property
     def address(self) -> str:
         """What ``from_address`` reads back: the form the agent hands its workers."""
         hosts = ",".join(f"{host}:{port}" for host, port in self.endpoints)
-        return f"{SCHEME}{hosts}{self.prefix}?unavailable_timeout={self.unavailable_timeout:g}"
+        scheme, files = (TLS_SCHEME, self.tls.query()) if self.tls else (SCHEME, "")
+        return f"{scheme}{hosts}{self.prefix}?unavailable_timeout={self.unavailable_timeout:g}{files}"
 
     def describe(self) -> str:
-        return f"etcd at {','.join(f'{h}:{p}' for h, p in self.endpoints)}"
+        return f"etcd at {','.join(f'{h}:{p}' for h, p in self.endpoints)}{' (TLS)' if self.tls else ''}"
 
     # -- the contract ----------------------------------------------------------------
     def set(self, key: str, value: bytes) -> None:
@@ -163,7 +213,7 @@ class EtcdKeyValueStore(KeyValueStore):
 
     def clone(self) -> "EtcdKeyValueStore":
         return EtcdKeyValueStore([f"{h}:{p}" for h, p in self.endpoints], self.prefix,
-                                 unavailable_timeout=self.unavailable_timeout, _count=self.count)
+                                 unavailable_timeout=self.unavailable_timeout, tls=self.tls, _count=self.count)
 
     def rendezvous_store(self):
         from peerstate.control.etcd_rendezvous import rendezvous_store
@@ -230,7 +280,8 @@ class EtcdKeyValueStore(KeyValueStore):
             else:
                 compare = {"key": full, "target": "MOD", "mod_revision": str(modified)}
             self.count.sent(1, key, desired)
-            answer = self._post("/v3/kv/txn", {"compare": [compare], "success": [{"request_put": self._put(key, desired)}],
+            answer = self._post("/v3/kv/txn", {"compare": [compare],
+                                               "success": [{"request_put": self._put(key, desired)}],
                                                "failure": [{"request_range": {"key": full}}]})
             if answer.get("succeeded"):
                 return desired
@@ -247,7 +298,7 @@ class EtcdKeyValueStore(KeyValueStore):
             try:
                 with self._lock:
                     if self._connection is None:
-                        self._connection = http.client.HTTPConnection(host, port, timeout=self._request_timeout())
+                        self._connection = self._connect(host, port, self._request_timeout())
                     self._connection.request("POST", path, body=payload, headers={"Content-Type": "application/json"})
                     response = self._connection.getresponse()
                     data = response.read()
@@ -258,8 +309,9 @@ class EtcdKeyValueStore(KeyValueStore):
                     raise _Retry(answer.get("message") or answer.get("error") or f"HTTP {response.status}")
                 raise InvalidArgumentError(f"{self.describe()} refused {path}: {answer.get('message', data[:200])}")
             except (OSError, http.client.HTTPException, ValueError, _Retry) as error:
-                last = f"{host}:{port}: {error or type(error).__name__}"
                 self._drop_connection()
+                self._refuse_bad_tls(error, host, port)
+                last = f"{host}:{port}: {error or type(error).__name__}"
             self._current = (self._current + 1) % len(self.endpoints)
             now = time.monotonic()
             deadline = deadline or now + self.unavailable_timeout
@@ -271,6 +323,17 @@ class EtcdKeyValueStore(KeyValueStore):
             if tried % len(self.endpoints) == 0:  # a round of every member: wait before the next
                 time.sleep(min(backoff, max(deadline - now, 0)))
                 backoff = min(backoff * 2, 0.5)
+
+    def _connect(self, host: str, port: int, timeout: float) -> http.client.HTTPConnection:
+        if self._tls_context is None:
+            return http.client.HTTPConnection(host, port, timeout=timeout)
+        return http.client.HTTPSConnection(host, port, timeout=timeout, context=self._tls_context)
+
+    def _refuse_bad_tls(self, error: BaseException, host: str, port: int) -> None:
+        """A certificate refused (ours or theirs) will be refused again: say so now."""
+        if isinstance(error, ssl.SSLError) and not isinstance(error, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+            raise InvalidArgumentError(f"the TLS handshake with etcd at {host}:{port} failed: {error} (check "
+                                       "--store-cacert, --store-cert and --store-key)") from None
 
     def _request_timeout(self) -> float:
         return max(min(5.0, self.unavailable_timeout / 3), 0.5)
@@ -294,7 +357,7 @@ class EtcdKeyValueStore(KeyValueStore):
             if left <= 0:
                 raise TimeoutError(f"key {key!r} did not appear in {self.describe()} in time")
             host, port = self.endpoints[self._current]
-            connection = http.client.HTTPConnection(host, port, timeout=min(left, self._request_timeout()))
+            connection = self._connect(host, port, min(left, self._request_timeout()))
             try:
                 self.count.sent(1, key)
                 connection.request("POST", "/v3/watch", body=body, headers={"Content-Type": "application/json"})
@@ -336,6 +399,7 @@ class EtcdKeyValueStore(KeyValueStore):
             except (OSError, http.client.HTTPException, ValueError, _Retry) as error:
                 if self._interrupted:
                     raise ConnectionAbortedError(f"the wait for {key!r} was interrupted") from None
+                self._refuse_bad_tls(error, host, port)
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since >= self.unavailable_timeout:

@@ -210,12 +210,12 @@ class TorchKeyValueStore(KeyValueStore):
 
 
 def open_store(address: str, *, timeout: float, host_store: bool = False) -> KeyValueStore:
-    """The store an address names: ``etcd://H:P[,H:P...]/PREFIX[?unavailable_timeout=S]``
+    """The store an address names: ``etcd[s]://H:P[,H:P...]/PREFIX[?...]``
     (``EtcdKeyValueStore.address``) or ``HOST:PORT`` of a TCPStore, which this process
     hosts when ``host_store``. InvalidArgumentError for anything else."""
     from peerstate.errors import InvalidArgumentError
 
-    if address.startswith("etcd://"):
+    if address.startswith(("etcd://", "etcds://")):
         from peerstate.control.etcd_store import EtcdKeyValueStore
 
         return EtcdKeyValueStore.from_address(address)

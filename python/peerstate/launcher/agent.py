@@ -33,7 +33,7 @@ from peerstate.control import keys
 from peerstate.control import progress as progress_file
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, WorkerEnvironment, job_secret
-from peerstate.control.etcd_store import DEFAULT_UNAVAILABLE_TIMEOUT
+from peerstate.control.etcd_store import DEFAULT_UNAVAILABLE_TIMEOUT, TlsFiles
 from peerstate.control.kvstore import TorchKeyValueStore
 from peerstate.control.node_relay import NodeRelay
 from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
@@ -61,6 +61,7 @@ class AgentConfig:
                                            # or etcd://HOST:PORT[,HOST:PORT...] of an etcd cluster
     job_id: Optional[str] = None           # with etcd: the job's keys are under /peerstate/<job_id>/
     store_timeout: float = DEFAULT_UNAVAILABLE_TIMEOUT  # with etcd: how long it may not answer
+    store_tls: Optional[TlsFiles] = None   # with etcds://: the CA, client certificate and key files
     host: str = "127.0.0.1"                # the address this node's workers listen on
     log_dir: str = "peerstate-logs"
     hang_timeout: float = 10.0             # a worker whose counter stops this long is killed
@@ -138,7 +139,7 @@ class Agent:
     def _connect(self) -> None:
         config = self.config
         self.kv, self.hosts_store = open_job_store(config.store, self.node, config.job_id, config.store_timeout,
-                                                   config.join_timeout)
+                                                   config.join_timeout, config.store_tls)
         self.store_address = self.kv.address
         if self.hosts_store:
             print(f"peerstate: store at {self.store_address}", file=sys.stderr, flush=True)

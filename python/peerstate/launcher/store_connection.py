@@ -1,37 +1,37 @@
 """How an agent reaches the job's store: a TCPStore that node 0's agent hosts
 (``--store HOST:PORT``), or an etcd cluster every agent is a client of
-(``--store etcd://HOST:PORT[,HOST:PORT...] --job-id NAME``), where node 0 is a
-node like any other."""
+(``--store etcd://HOST:PORT[,HOST:PORT...] --job-id NAME``, ``etcds://`` with
+TLS), where node 0 is a node like any other."""
 
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 from peerstate.control import keys
-from peerstate.control.etcd_store import SCHEME, EtcdKeyValueStore
+from peerstate.control.etcd_store import EtcdKeyValueStore, TlsFiles, is_etcd
 from peerstate.control.kvstore import KeyValueStore, TorchKeyValueStore
 from peerstate.errors import InvalidArgumentError, JobFailedError
 
 
 def check_store_flags(store: str, job_id: Optional[str], store_timeout: float) -> None:
     """InvalidArgumentError naming the flag that is wrong."""
-    if store.startswith(SCHEME):
+    if is_etcd(store):
         if not job_id or "/" in job_id:
             raise InvalidArgumentError("--store etcd://... needs --job-id NAME (no '/'): the job's keys live under "
                                        "/peerstate/NAME/, one name per run (under Slurm: slurm-SLURM_JOB_ID)")
         if store_timeout <= 0:
             raise InvalidArgumentError(f"--store-timeout must be positive (got {store_timeout})")
     elif ":" not in store:
-        raise InvalidArgumentError(f"--store must be HOST:PORT or etcd://HOST:PORT[,HOST:PORT...] (got {store!r})")
+        raise InvalidArgumentError(f"--store must be HOST:PORT or etcd[s]://HOST:PORT[,HOST:PORT...] (got {store!r})")
 
 
-def open_job_store(store: str, node: int, job_id: Optional[str], store_timeout: float,
-                   join_timeout: float) -> Tuple[KeyValueStore, bool]:
+def open_job_store(store: str, node: int, job_id: Optional[str], store_timeout: float, join_timeout: float,
+                   tls: Optional[TlsFiles] = None) -> Tuple[KeyValueStore, bool]:
     """(the store, whether this agent hosts it). Reaches it now: JobFailedError when a
     TCPStore cannot be hosted or reached, StoreUnavailableError when etcd does not
-    answer within ``store_timeout``."""
-    if store.startswith(SCHEME):
-        kv = EtcdKeyValueStore.for_job(store, job_id or "", unavailable_timeout=store_timeout)
+    answer within ``store_timeout``, InvalidArgumentError for a refused certificate."""
+    if is_etcd(store):
+        kv = EtcdKeyValueStore.for_job(store, job_id or "", unavailable_timeout=store_timeout, tls=tls)
         kv.get(keys.CONFIG)
         return kv, False
     hosts = node == 0

@@ -1,7 +1,8 @@
 """A real etcd cluster on 127.0.0.1, for the tests and the benchmarks: ``members``
 etcd processes (3.4 or later, from the PATH) with ports the kernel picked free,
-each killable with SIGKILL, all stopped by ``close()``. Not for production: the
-data lives in a scratch directory and the election timeout is a loopback one."""
+each killable with SIGKILL, all stopped by ``close()``; with ``tls``, its client
+port speaks HTTPS and asks for client certificates. Not for production: the data
+lives in a scratch directory and the election timeout is a loopback one."""
 
 from __future__ import annotations
 
@@ -11,12 +12,26 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
 from peerstate.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class ClusterTls:
+    """PEM files of a TLS cluster: its CA, the members' certificate (for 127.0.0.1)
+    and key, and a client certificate and key the CA signed."""
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
 
 
 def _free_port() -> int:
@@ -26,17 +41,21 @@ def _free_port() -> int:
 
 
 class EtcdCluster:
-    def __init__(self, directory: Path, members: int = 1) -> None:
+    def __init__(self, directory: Path, members: int = 1, tls: Optional["ClusterTls"] = None) -> None:
         binary = shutil.which("etcd")
         if binary is None:
             raise InvalidArgumentError("no etcd binary on the PATH (Debian: apt-get install etcd-server)")
         self.directory = directory
+        self.tls = tls
         self.client_ports = [_free_port() for _ in range(members)]
         peer_ports = [_free_port() for _ in range(members)]
         initial = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peer_ports))
         self.processes: List[Optional[subprocess.Popen]] = []
         for i in range(members):
-            client, peer = f"http://127.0.0.1:{self.client_ports[i]}", f"http://127.0.0.1:{peer_ports[i]}"
+            client = f"{'https' if tls else 'http'}://127.0.0.1:{self.client_ports[i]}"
+            peer = f"http://127.0.0.1:{peer_ports[i]}"
+            secured = ["--cert-file", tls.server_cert, "--key-file", tls.server_key, "--client-cert-auth",
+                       "--trusted-ca-file", tls.ca] if tls else []
             log = open(directory / f"etcd-m{i}.log", "wb")
             self.processes.append(subprocess.Popen(
                 [binary, "--name", f"m{i}", "--data-dir", str(directory / f"etcd-m{i}"),
@@ -45,7 +64,7 @@ class EtcdCluster:
                  "--initial-cluster", initial, "--initial-cluster-state", "new",
                  "--initial-cluster-token", f"peerstate-test-{os.getpid()}",
                  # a loopback cluster: elect a new leader within ~0.5 s of losing one
-                 "--heartbeat-interval", "50", "--election-timeout", "500"],
+                 "--heartbeat-interval", "50", "--election-timeout", "500", *secured],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         try:
             self._wait_healthy(timeout=30)
@@ -60,10 +79,16 @@ class EtcdCluster:
     @property
     def url(self) -> str:
         """What ``peerstate run --store`` takes."""
-        return "etcd://" + ",".join(self.endpoints)
+        return ("etcds://" if self.tls else "etcd://") + ",".join(self.endpoints)
 
     def status(self, member: int) -> dict:
-        connection = http.client.HTTPConnection("127.0.0.1", self.client_ports[member], timeout=2)
+        if self.tls:
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+            connection: http.client.HTTPConnection = http.client.HTTPSConnection(
+                "127.0.0.1", self.client_ports[member], timeout=2, context=context)
+        else:
+            connection = http.client.HTTPConnection("127.0.0.1", self.client_ports[member], timeout=2)
         try:
             connection.request("POST", "/v3/maintenance/status", body="{}")
             return json.loads(connection.getresponse().read())

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from peerstate.control.timeline import read_events
 
@@ -26,17 +26,19 @@ from peerstate.control.timeline import read_events
 class LocalJob:
     """``nodes``: (workers, spares) per simulated node; ``script``: the script and its
     arguments; ``agent_args``: more ``peerstate run`` flags for every agent; ``store``:
-    the ``--store`` of every agent (default: node 0 hosts a TCPStore)."""
+    the ``--store`` of every agent, or a list of one per agent (default: node 0
+    hosts a TCPStore)."""
 
     def __init__(self, workdir: Path, nodes: Sequence[Tuple[int, int]], script: Sequence[str],
-                 agent_args: Sequence[str] = (), store_timeout: float = 60.0, store: Optional[str] = None) -> None:
+                 agent_args: Sequence[str] = (), store_timeout: float = 60.0,
+                 store: Union[None, str, Sequence[str]] = None) -> None:
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.logs = self.dir / "logs"
         self.agents: List[subprocess.Popen] = []
         self.agent_logs: List[Path] = []
         hosted = store is None
-        store = store or "127.0.0.1:0"
+        stores = [store] * len(nodes) if isinstance(store, str) else list(store or ["127.0.0.1:0"] * len(nodes))
         # The simulated nodes share one secret, as real ones would share a file or PEERSTATE_SECRET.
         secret_file = self.dir / "job.secret"
         if not secret_file.exists():
@@ -47,14 +49,14 @@ class LocalJob:
             log = self.dir / f"agent{index}.log"
             self.agent_logs.append(log)
             command = [sys.executable, "-m", "peerstate", "run", "--nnodes", str(len(nodes)), "--node-rank",
-                       str(index), "--store", store, "--nproc-per-node", str(workers), "--spares", str(spares),
+                       str(index), "--store", stores[index], "--nproc-per-node", str(workers), "--spares", str(spares),
                        "--log-dir", str(self.logs), "--secret-file", str(secret_file), *agent_args, *script]
             with open(log, "wb") as out:
                 self.agents.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                                     stdin=subprocess.DEVNULL, start_new_session=True))
             if hosted and index == 0 and len(nodes) > 1:
-                store = self.wait_for(lambda: re.search(r"store at (\S+)", log.read_text()), "node 0's store",
-                                      store_timeout).group(1)
+                stores[1:] = [self.wait_for(lambda: re.search(r"store at (\S+)", log.read_text()), "node 0's store",
+                                            store_timeout).group(1)] * (len(nodes) - 1)
 
     def worker_logs(self) -> List[Path]:
         return sorted(self.logs.glob("n*.log"))
