@@ -29,9 +29,14 @@ layout: 8 shares, a buddy on the next node), in the same run:
 Modelled, not measured: the node channel (in-process, instantaneous), the
 workers' abort and restore, and torch's process-group rendezvous.
 
-Run: python bench/scale.py [--quick] [--sizes 256,1024] [--baseline-max 4096]
-Writes bench/results/scale.json: rows with ranks, ours_s, baseline_s, speedup,
-store_requests, store_bytes, steady_requests_per_s (and the baseline's).
+With ``--etcd``, ours also runs over a 1-member etcd on loopback (the same
+simulated agents, the store an ``EtcdKeyValueStore`` each): the ``etcd_s``
+column, and its ratio to the TCPStore's in the same run.
+
+Run: python bench/scale.py [--quick] [--sizes 256,1024] [--baseline-max 4096] [--etcd]
+Writes bench/results/scale.json (scale_etcd.json with --etcd): rows with ranks,
+ours_s, baseline_s, speedup, store_requests, store_bytes, steady_requests_per_s
+(and the baseline's; etcd_s and etcd_vs_tcpstore).
 """
 
 from __future__ import annotations
@@ -56,10 +61,21 @@ OLD_WATCHER_SECONDS = 1.0  # the old per-worker watcher's wait on the job's stor
 
 
 def _store(address: str, host_store: bool = False):
-    from peerstate.control.kvstore import TorchKeyValueStore
+    from peerstate.control.kvstore import open_store
 
-    host, port = address.rsplit(":", 1)
-    return TorchKeyValueStore(host, int(port), host_store=host_store, timeout=300.0)
+    return open_store(address, timeout=300.0, host_store=host_store)
+
+
+def _new_store(etcd) -> tuple:
+    """(a client of a fresh store, its address): a TCPStore this process hosts, or a fresh
+    job prefix on the etcd cluster ``etcd``."""
+    if etcd is None:
+        kv = _store("127.0.0.1:0", host_store=True)
+        return kv, f"127.0.0.1:{kv.port}"
+    from peerstate.control.etcd_store import EtcdKeyValueStore
+
+    kv = EtcdKeyValueStore(etcd.endpoints, f"/peerstate/scale-{time.time_ns()}/", unavailable_timeout=120.0)
+    return kv, kv.address
 
 
 # -- a member process: simulated agents (ours) ---------------------------------------------------
@@ -188,11 +204,10 @@ def _wait_ready(kv, count: int, processes: List[subprocess.Popen], timeout: floa
         time.sleep(0.05)
 
 
-def measure_ours(nnodes: int, processes: int) -> dict:
+def measure_ours(nnodes: int, processes: int, etcd=None) -> dict:
     from peerstate.control.coordinator import Coordinator
 
-    kv = _store("127.0.0.1:0", host_store=True)
-    address = f"127.0.0.1:{kv.port}"
+    kv, address = _new_store(etcd)
     bounds = [nnodes * i // processes for i in range(processes + 1)]
     members = _spawn("agents", address, nnodes, bounds)
     _wait_ready(kv, processes, members)
@@ -256,6 +271,9 @@ def main() -> None:
     parser.add_argument("--baseline-max", type=int, default=None, help="largest size the baseline runs at")
     parser.add_argument("--processes", type=int, default=0,
                         help="processes the simulated agents share (default: one per 128 nodes, 2 to 16)")
+    parser.add_argument("--etcd", action="store_true",
+                        help="also run ours over a 1-member etcd on loopback (needs the etcd binary): the etcd_s "
+                             "column, in the same run; writes scale_etcd.json")
     parser.add_argument("--member", choices=("agents", "old"), help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--nnodes", type=int, help=argparse.SUPPRESS)
@@ -270,6 +288,21 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
         [256, 1024, 4096] if args.quick else [256, 1024, 4096, 16384])
     baseline_max = args.baseline_max or (1024 if args.quick else 4096)
+    etcd = None
+    if args.etcd:
+        import tempfile
+
+        from peerstate.tools.etcd_cluster import EtcdCluster
+
+        etcd = EtcdCluster(Path(tempfile.mkdtemp(prefix="peerstate-scale-etcd-")))
+    try:
+        _measure(args, sizes, baseline_max, etcd)
+    finally:
+        if etcd:
+            etcd.close()
+
+
+def _measure(args, sizes: List[int], baseline_max: int, etcd) -> None:
     rows = []
     print(f"{'ranks':>6} {'nodes':>5} {'ours_s':>8} {'baseline_s':>10} {'speedup':>8} {'req/rank':>8} "
           f"{'store_MB':>8} {'base_req/rank':>13} {'base_MB':>8} {'steady/node/s':>13} {'base_steady/node/s':>18}",
@@ -278,6 +311,7 @@ def main() -> None:
         nnodes = ranks // NPROC
         processes = args.processes or min(16, max(2, nnodes // 128))
         ours = measure_ours(nnodes, processes)
+        over_etcd = measure_ours(nnodes, processes, etcd) if etcd else None
         base = measure_baseline(nnodes, processes) if ranks <= baseline_max else None
         row = {"ranks": ranks, "nodes": nnodes, "ours_s": round(ours["seconds"], 4),
                "plan_compute_s": round(ours["compute_s"], 4),
@@ -293,6 +327,13 @@ def main() -> None:
                "baseline_steady_requests_per_s": round(_baseline_steady(base, nnodes), 1) if base else None,
                "baseline_steady_requests_per_node_s": round(base["steady_per_node_s"], 2) if base else None}
         row["processes"] = processes
+        if over_etcd:
+            row.update(etcd_s=round(over_etcd["seconds"], 4), etcd_vs_tcpstore=round(over_etcd["seconds"] /
+                                                                                    ours["seconds"], 2),
+                       etcd_store_requests_per_rank=round(over_etcd["requests"] / ranks, 2),
+                       etcd_phases_s={k: round(v, 4) for k, v in over_etcd["phases"].items()})
+            print(f"   over etcd: {over_etcd['seconds']:.3f}s ({row['etcd_vs_tcpstore']}x the TCPStore's), "
+                  f"{row['etcd_store_requests_per_rank']} requests per rank", flush=True)
         rows.append(row)
         _save(rows, args)
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
@@ -301,20 +342,21 @@ def main() -> None:
               f"{ours['bytes'] / 1e6:>8.2f} {fmt(base and base['requests'] / ranks, '>13.1f')} "
               f"{fmt(base and base['bytes'] / 1e6, '>8.1f')} {row['steady_requests_per_node_s']:>13.1f} "
               f"{fmt(row['baseline_steady_requests_per_node_s'], '>18.1f')}", flush=True)
-    print(f"wrote {RESULTS}")
+    print(f"wrote {RESULTS.with_name('scale_etcd.json') if args.etcd else RESULTS}")
 
 
 def _save(rows: List[dict], args) -> None:
     """Write the rows measured so far, kept beside those of other sizes from earlier runs
     (each row names the command that measured it)."""
     command = " ".join(["python", "bench/scale.py", *sys.argv[1:]])
+    results = RESULTS.with_name("scale_etcd.json") if args.etcd else RESULTS
     kept = []
-    if RESULTS.exists():
-        kept = [r for r in json.loads(RESULTS.read_text())["rows"] if r["ranks"] not in {n["ranks"] for n in rows}]
+    if results.exists():
+        kept = [r for r in json.loads(results.read_text())["rows"] if r["ranks"] not in {n["ranks"] for n in rows}]
     for row in rows:
         row.setdefault("command", command)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"ranks_per_node": NPROC, "rows": sorted(kept + rows, key=lambda r: r["ranks"])},
+    results.parent.mkdir(exist_ok=True)
+    results.write_text(json.dumps({"ranks_per_node": NPROC, "rows": sorted(kept + rows, key=lambda r: r["ranks"])},
                                   indent=1))
 
 

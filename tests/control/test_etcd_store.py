@@ -70,9 +70,9 @@ def test_a_watch_from_a_compacted_revision_reads_what_it_missed(cluster):
         kv.set("other", str(value).encode())
     head = int(_post(cluster, "/v3/kv/range", {"key": "eA=="})["header"]["revision"])
     _post(cluster, "/v3/kv/compaction", {"revision": str(head), "physical": True})
-    kv._watch_for("k", 2, time.monotonic() + 5)  # returns: k is there
+    assert kv._watch_for(["k"], 2, time.monotonic() + 5) == {"k": b"1"}  # k is there
     with pytest.raises(TimeoutError):
-        kv._watch_for("absent", 2, time.monotonic() + 0.5)
+        kv._watch_for(["k", "absent"], 2, time.monotonic() + 0.5)
 
 
 def _post(cluster, path, body):

@@ -69,6 +69,10 @@ def test_append_and_wait(kv):
         kv.wait(["never"], timeout=0.2)
     threading.Timer(0.1, kv.clone().set, args=("later", b"1")).start()
     kv.wait(["later"], timeout=5)
+    threading.Timer(0.1, kv.clone().set, args=("b", b"2")).start()
+    threading.Timer(0.2, kv.clone().set, args=("a", b"1")).start()
+    kv.wait(["a", "b"], timeout=5)  # two keys, put in another order
+    assert kv.get_many(["a", "b"]) == [b"1", b"2"]
     threading.Timer(0.1, kv.clone().set, args=("value later", b"v")).start()
     assert kv.wait_get("value later", timeout=5) == b"v"  # the value the wait saw put
     assert kv.wait_get("value later", timeout=0.1) == b"v"  # there already

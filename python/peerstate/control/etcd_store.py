@@ -17,8 +17,9 @@ How the contract maps onto etcd:
   transactions retried until they win, so both are atomic across clients;
 - ``get_many``/``set_many`` are one transaction per 128 keys (etcd's default
   ``--max-txn-ops``); reads are linearizable (etcd's default);
-- ``wait`` reads the keys and watches each missing one from the revision of
-  that read: no polling, and no create can slip between the read and the watch.
+- ``wait`` reads the keys and watches the missing ones (one watch over their
+  range) from the revision of that read: no polling, and no create can slip
+  between the read and the watch.
 
 TLS: ``etcds://`` speaks HTTPS, verifying the members against ``cacert`` (the
 system's CAs without one) and presenting ``cert``/``key`` where the cluster asks
@@ -200,16 +201,16 @@ class EtcdKeyValueStore(KeyValueStore):
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         found, revision = self._read(list(keys))
-        for key, (value, _) in zip(keys, found):
-            if value is None:
-                self._watch_for(key, revision + 1, deadline)
+        missing = [key for key, (value, _) in zip(keys, found) if value is None]
+        if missing:
+            self._watch_for(missing, revision + 1, deadline)
 
     def wait_get(self, key: str, timeout: float) -> bytes:
         # One read when the key exists; else the value the watch event carries.
         [(value, _)], revision = self._read([key])
         if value is not None:
             return value
-        return self._watch_for(key, revision + 1, time.monotonic() + timeout)
+        return self._watch_for([key], revision + 1, time.monotonic() + timeout)[key]
 
     def clone(self) -> "EtcdKeyValueStore":
         return EtcdKeyValueStore([f"{h}:{p}" for h, p in self.endpoints], self.prefix,
@@ -344,22 +345,29 @@ class EtcdKeyValueStore(KeyValueStore):
                 self._connection.close()
                 self._connection = None
 
-    def _watch_for(self, key: str, revision: int, deadline: float) -> bytes:
-        """Block until ``key`` is put at ``revision`` or later and return the value put
-        (TimeoutError at the deadline). A member lost mid-watch: the watch starts again
-        on the next one, from the same revision, so no put is missed."""
-        body = json.dumps({"create_request": {"key": _b64(self._key(key)), "start_revision": str(revision)}})
+    def _watch_for(self, keys: Sequence[str], revision: int, deadline: float) -> Dict[str, bytes]:
+        """Block until every key of ``keys`` is put at ``revision`` or later, and return
+        the values put (TimeoutError at the deadline). One watch covers them all: the
+        range from the least to the greatest, the others in it ignored. A member lost
+        mid-watch: the watch starts again on the next one from the same revision, so
+        no put is missed."""
+        missing = {self._key(k): k for k in keys}
+        seen: Dict[str, bytes] = {}
+        what = f"key {keys[0]!r}" if len(keys) == 1 else f"keys {list(keys)}"
         unreachable_since: Optional[float] = None
         while True:
             if self._interrupted:
-                raise ConnectionAbortedError(f"the wait for {key!r} was interrupted")
+                raise ConnectionAbortedError(f"the wait for {what} was interrupted")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"key {key!r} did not appear in {self.describe()} in time")
+                raise TimeoutError(f"{what} did not appear in {self.describe()} in time")
+            low, high = min(missing), max(missing)
+            body = json.dumps({"create_request": {"key": _b64(low), "range_end": _b64(high + b"\0"),
+                                                  "start_revision": str(revision)}})
             host, port = self.endpoints[self._current]
             connection = self._connect(host, port, min(left, self._request_timeout()))
             try:
-                self.count.sent(1, key)
+                self.count.sent(1, *missing.values())
                 connection.request("POST", "/v3/watch", body=body, headers={"Content-Type": "application/json"})
                 response = connection.getresponse()
                 if response.status != 200:
@@ -369,36 +377,43 @@ class EtcdKeyValueStore(KeyValueStore):
                 while True:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise TimeoutError(f"key {key!r} did not appear in {self.describe()} in time")
+                        raise TimeoutError(f"{what} did not appear in {self.describe()} in time")
                     connection.sock.settimeout(left)
                     line = response.readline()
                     if self._interrupted:
-                        raise ConnectionAbortedError(f"the wait for {key!r} was interrupted")
+                        raise ConnectionAbortedError(f"the wait for {what} was interrupted")
                     if not line:
                         raise _Retry("the watch stream ended")
                     result = json.loads(line).get("result", {})
                     if result.get("compact_revision"):
                         # history before ``revision`` is gone: what a read finds now is what was missed
-                        [(value, _)], now_at = self._read([key])
-                        if value is not None:
-                            return value
+                        names = list(missing.values())
+                        found, now_at = self._read(names)
+                        for name, (value, _) in zip(names, found):
+                            if value is not None:
+                                seen[name] = value
+                                del missing[self._key(name)]
+                        if not missing:
+                            return seen
                         revision = now_at + 1
-                        body = json.dumps({"create_request": {"key": _b64(self._key(key)),
-                                                              "start_revision": str(revision)}})
                         raise _Retry(f"history compacted past revision {revision - 1}")
                     if result.get("canceled"):
                         raise _Retry(result.get("cancel_reason", "watch canceled"))
                     for event in result.get("events", []):
-                        if event.get("type", "PUT") == "PUT":
-                            value = base64.b64decode(event["kv"].get("value", ""))
-                            self.count.received([value])
-                            return value
+                        if event.get("type", "PUT") != "PUT":
+                            continue
+                        name = missing.pop(base64.b64decode(event["kv"]["key"]), None)
+                        if name is not None:
+                            seen[name] = base64.b64decode(event["kv"].get("value", ""))
+                            self.count.received([seen[name]])
+                    if not missing:
+                        return seen
             except socket.timeout:
                 if deadline - time.monotonic() <= 0:
-                    raise TimeoutError(f"key {key!r} did not appear in {self.describe()} in time") from None
+                    raise TimeoutError(f"{what} did not appear in {self.describe()} in time") from None
             except (OSError, http.client.HTTPException, ValueError, _Retry) as error:
                 if self._interrupted:
-                    raise ConnectionAbortedError(f"the wait for {key!r} was interrupted") from None
+                    raise ConnectionAbortedError(f"the wait for {what} was interrupted") from None
                 self._refuse_bad_tls(error, host, port)
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now

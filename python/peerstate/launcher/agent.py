@@ -129,6 +129,9 @@ class Agent:
             return self._lost_store(str(error))
         except JobFailedError as error:
             return self._stop(str(error))
+        except InvalidArgumentError as error:  # found only on reaching the store (a refused certificate)
+            print(f"peerstate run: {error}", file=sys.stderr, flush=True)
+            return 2
         except Exception as error:  # noqa: BLE001 - DistNetworkError and kin: the store is gone
             if not hasattr(self, "kv"):
                 raise

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
-from peerstate.control.kvstore import TorchKeyValueStore
+from peerstate.control.kvstore import open_store
 from peerstate.control.memory_store import InMemoryKeyValueStore
 from peerstate.control.messages import MemberReport, RecoveryPlan, StateLayout
 from peerstate.control.node_relay import NodeRelay
@@ -115,10 +115,9 @@ class SimulatedNode:
     def __init__(self, store: str, node: int, nnodes: int, nproc: int, served: Dict[int, List[int]], *,
                  spares: int = 1, version: int = 100, report_timeout: float = 60.0, lease_timeout: float = 3.0,
                  layout: StateLayout = LAYOUT) -> None:
-        host, port = store.rsplit(":", 1)
         self.node, self.nnodes, self.nproc, self.spares = node, nnodes, nproc, spares
         self.name = f"agent{node}"
-        self.kv = TorchKeyValueStore(host, int(port), timeout=120.0)
+        self.kv = open_store(store, timeout=120.0)  # HOST:PORT of a TCPStore, or etcd://...
         self.relay_kv = self.kv.clone()  # the relay's own connection, as in the agent (one count for both)
         self.coordinator = Coordinator(self.kv)
         relay_coordinator = Coordinator(self.relay_kv)
