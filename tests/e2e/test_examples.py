@@ -9,11 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from helpers.jobs import Job  # noqa: E402
+from helpers.jobs import FAST, Job  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 30
-FAST = ["--lease-timeout", "1.5", "--hang-timeout", "1.5", "--spare-timeout", "30", "--join-timeout", "60"]
 
 
 def run_example(tmp_path, name, kill=None):

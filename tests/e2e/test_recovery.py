@@ -10,24 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from helpers.jobs import Job  # noqa: E402
+from helpers.jobs import FAST, STEPS, Job, assert_bitwise  # noqa: E402
 
 from peerstate.control.environment import ABORT_DEADLINE_EXIT_CODE  # noqa: E402
 
-STEPS = 40
 TWO_NODES = [(2, 1), (2, 0)]  # 4 workers on 2 simulated nodes + 1 spare
-FAST = ["--lease-timeout", "1.5", "--hang-timeout", "1.5", "--spare-timeout", "30", "--join-timeout", "60"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The fault-free run's final parameters."""
-    job = Job(tmp_path_factory.mktemp("reference"), [(4, 0)], steps=STEPS)
-    try:
-        assert job.wait() == [0], job.describe()
-        return torch.load(job.out)
-    finally:
-        job.close()
 
 
 @pytest.fixture
@@ -43,13 +30,6 @@ def run(tmp_path):
     yield start
     for job in jobs:
         job.close()
-
-
-def assert_bitwise(job, reference):
-    final = torch.load(job.out)
-    assert final.keys() == reference.keys()
-    different = [k for k in final if not torch.equal(final[k], reference[k])]
-    assert not different, f"parameters {different} differ from the fault-free run"
 
 
 def recoveries(job):

@@ -12,22 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from helpers.etcd import CuttableLink, EtcdCluster, make_tls  # noqa: E402
-from helpers.jobs import Job, _pids_with_env  # noqa: E402
-
-STEPS = 40
-FAST = ["--lease-timeout", "1.5", "--hang-timeout", "1.5", "--spare-timeout", "30", "--join-timeout", "60"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The fault-free run's final parameters (a TCPStore job: the store must not matter)."""
-    job = Job(tmp_path_factory.mktemp("reference"), [(4, 0)], steps=STEPS)
-    try:
-        assert job.wait() == [0], job.describe()
-        return torch.load(job.out)
-    finally:
-        job.close()
-
+from helpers.jobs import FAST, STEPS, Job, _pids_with_env, assert_bitwise  # noqa: E402
 
 @pytest.fixture
 def etcd(tmp_path, request):
@@ -62,9 +47,7 @@ def test_the_etcd_leader_and_then_node_0_lost_and_the_job_ends_bitwise(run, etcd
     job.kill_node(0)
     codes = job.wait()
     assert codes[0] == -signal.SIGKILL and codes[1] == 0, job.describe()
-    final = torch.load(job.out)
-    different = [k for k in final if not torch.equal(final[k], reference[k])]
-    assert final.keys() == reference.keys() and not different, f"parameters {different} differ"
+    assert_bitwise(job, reference)  # the reference ran on a TCPStore: the store must not matter
     [plan] = job.events("plan")
     assert sorted(plan["failed"]) == [0, 1] and "node 0 lost" in plan["reason"]
 
@@ -110,8 +93,7 @@ def test_a_node_cut_off_from_the_store_alone_gives_its_ranks_to_spares_and_stops
     link.cut()
     codes = job.wait()
     assert codes == [0, 1], job.describe()
-    final = torch.load(job.out)
-    assert not [k for k in final if not torch.equal(final[k], reference[k])], "the parameters differ"
+    assert_bitwise(job, reference)
     [plan] = job.events("plan")
     assert sorted(plan["failed"]) == [2, 3] and "node 1 lost" in plan["reason"]
     summary = job.agent_logs[1].read_text()

@@ -12,6 +12,19 @@ from pathlib import Path
 from peerstate.tools.local import LocalJob
 
 TRAIN_SCRIPT = Path(__file__).with_name("train_job.py")
+STEPS = 40  # of the recovery tests' jobs and their fault-free reference (tests/e2e/conftest.py)
+# Failures detected in about a second and a half: the e2e tests' agent flags.
+FAST = ["--lease-timeout", "1.5", "--hang-timeout", "1.5", "--spare-timeout", "30", "--join-timeout", "60"]
+
+
+def assert_bitwise(job, reference):
+    """The job's final parameters (what train_job.py's --out holds) equal ``reference``'s, bit for bit."""
+    import torch
+
+    final = torch.load(job.out)
+    assert final.keys() == reference.keys()
+    different = [k for k in final if not torch.equal(final[k], reference[k])]
+    assert not different, f"parameters {different} differ from the fault-free run"
 
 
 class Job(LocalJob):
