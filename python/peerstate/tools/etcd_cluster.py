@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from peerstate.errors import InvalidArgumentError
+from peerstate.launcher.processes import die_with_parent
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ class EtcdCluster:
                  "--initial-cluster-token", f"peerstate-test-{os.getpid()}",
                  # a loopback cluster: elect a new leader within ~0.5 s of losing one
                  "--heartbeat-interval", "50", "--election-timeout", "500", *secured],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=die_with_parent))  # a test process killed outright leaves no etcd behind
         try:
             self._wait_healthy(timeout=30)
         except BaseException:
