@@ -6,6 +6,7 @@ lives in a scratch directory and the election timeout is a loopback one."""
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import json
 import os
@@ -20,7 +21,6 @@ from pathlib import Path
 from typing import List, Optional
 
 from peerstate.errors import InvalidArgumentError
-from peerstate.launcher.processes import die_with_parent
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,12 @@ class ClusterTls:
     server_key: str
     client_cert: str
     client_key: str
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the process that started it dies, so a test process
+    killed outright leaves no etcd behind (tools may not import the launcher's own)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:
@@ -67,7 +73,7 @@ class EtcdCluster:
                  # a loopback cluster: elect a new leader within ~0.5 s of losing one
                  "--heartbeat-interval", "50", "--election-timeout", "500", *secured],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=die_with_parent))  # a test process killed outright leaves no etcd behind
+                preexec_fn=_die_with_parent))
         try:
             self._wait_healthy(timeout=30)
         except BaseException:
