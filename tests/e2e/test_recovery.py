@@ -107,8 +107,10 @@ def test_a_seed_set_after_track_on_a_replacement_is_loud(run):
 
 @pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
 def test_two_failures_in_sequence_refill_the_spare_pool(run, reference, data_parallel):
-    # With data-parallel shares, survivors pull the share they lack at each recovery.
-    job = run(script_args=["--step-seconds", "0.2"] + (["--data-parallel"] if data_parallel else []))
+    # With data-parallel shares, survivors pull the share they lack at each recovery. Steps of
+    # half a second: the second kill waits for the refilled spare, which took 7 s to start on a
+    # loaded CI machine, and must land before the job's last step (20 s in).
+    job = run(script_args=["--step-seconds", "0.5"] + (["--data-parallel"] if data_parallel else []))
     job.wait_for_step(1, 5)
     job.kill_rank(1)
     job.wait_for(lambda: recoveries(job), "the first recovery")
