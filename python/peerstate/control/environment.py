@@ -26,6 +26,7 @@ import stat
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
+from peerstate.control.kvstore import is_etcd
 from peerstate.errors import InvalidArgumentError
 
 # A worker that could not leave a blocked call within Job(abort_timeout=...) exits with this (EX_SOFTWARE).
@@ -124,7 +125,7 @@ class WorkerEnvironment:
             PEERSTATE_ROLE="spare" if self.spare else "worker", PEERSTATE_FRAME_PROTECTION=self.protection,
             PEERSTATE_NODE_STORE=self.node_store,
         )
-        if not self.store.startswith(("etcd://", "etcds://")):  # a TCPStore; etcd has no one address to name
+        if not is_etcd(self.store):  # a TCPStore; etcd has no one address to name
             host, _, port = self.store.rpartition(":")
             env.update(MASTER_ADDR=host, MASTER_PORT=port)
         if self.progress:
@@ -164,7 +165,7 @@ class WorkerEnvironment:
                 checkpoint_every=int(env.get("PEERSTATE_CHECKPOINT_EVERY", "0")),
                 protection=env.get("PEERSTATE_FRAME_PROTECTION", "authenticated"),
                 node_store=env["PEERSTATE_NODE_STORE"])
-            if not result.store.startswith(("etcd://", "etcds://")):
+            if not is_etcd(result.store):
                 int(result.store.rpartition(":")[2])  # HOST:PORT
             int(result.node_store.rpartition(":")[2])
         except InvalidArgumentError:

@@ -58,6 +58,7 @@ SCHEME = "etcd://"
 TLS_SCHEME = "etcds://"
 MAX_TXN_OPS = 128          # etcd's default --max-txn-ops
 DEFAULT_UNAVAILABLE_TIMEOUT = 20.0
+_ABSENT = {"target": "CREATE", "create_revision": "0"}  # a compare: the key does not exist
 _UNAVAILABLE_CODES = {4, 14}  # gRPC DEADLINE_EXCEEDED ("request timed out"), UNAVAILABLE ("no leader")
 
 
@@ -86,10 +87,6 @@ class TlsFiles:
 
     def query(self) -> str:
         return "".join(f"&{name}={quote(path)}" for name, path in asdict(self).items() if path)
-
-
-def is_etcd(address: str) -> bool:
-    return address.startswith((SCHEME, TLS_SCHEME))
 
 
 class EtcdKeyValueStore(KeyValueStore):
@@ -183,17 +180,9 @@ class EtcdKeyValueStore(KeyValueStore):
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         self.count.sent(1, key, expected, desired)
-        full = self._key(key)
-        if expected == b"":
-            compare = {"key": _b64(full), "target": "CREATE", "create_revision": "0"}
-        else:
-            compare = {"key": _b64(full), "target": "VALUE", "value": _b64(expected)}
-        answer = self._post("/v3/kv/txn", {"compare": [compare], "success": [{"request_put": self._put(key, desired)}],
-                                           "failure": [{"request_range": {"key": _b64(full)}}]})
-        if answer.get("succeeded"):
-            return desired
-        value, _ = _first_kv(answer["responses"][0]["response_range"])
-        return value or b""
+        condition = {"target": "VALUE", "value": _b64(expected)} if expected else _ABSENT
+        succeeded, (value, _) = self._put_if(key, condition, desired)
+        return desired if succeeded else value or b""
 
     def append(self, key: str, value: bytes) -> None:
         self._update(key, lambda current: (current or b"") + value)
@@ -270,23 +259,29 @@ class EtcdKeyValueStore(KeyValueStore):
         """Apply ``change(current value or None) -> new value`` atomically: a transaction
         that writes only if the key is as it was read, retried with what it found.
         ``change`` returning None means "leave it": the current value is returned."""
-        full = _b64(self._key(key))
         [(current, modified)], _ = self._read([key])
         while True:
             desired = change(current)
             if desired is None:
                 return current or b""
-            if current is None:
-                compare = {"key": full, "target": "CREATE", "create_revision": "0"}
-            else:
-                compare = {"key": full, "target": "MOD", "mod_revision": str(modified)}
             self.count.sent(1, key, desired)
-            answer = self._post("/v3/kv/txn", {"compare": [compare],
-                                               "success": [{"request_put": self._put(key, desired)}],
-                                               "failure": [{"request_range": {"key": full}}]})
-            if answer.get("succeeded"):
+            condition = _ABSENT if current is None else {"target": "MOD", "mod_revision": str(modified)}
+            succeeded, (current, modified) = self._put_if(key, condition, desired)
+            if succeeded:
                 return desired
-            current, modified = _first_kv(answer["responses"][0]["response_range"])
+
+    def _put_if(self, key: str, condition: Dict[str, str], value: bytes
+                ) -> Tuple[bool, Tuple[Optional[bytes], int]]:
+        """One transaction: put ``value`` at ``key`` if ``condition`` (an etcd compare
+        without its key) holds. (Whether it did, the key's (value, mod_revision) when
+        it did not.)"""
+        full = _b64(self._key(key))
+        answer = self._post("/v3/kv/txn", {"compare": [{"key": full, **condition}],
+                                           "success": [{"request_put": self._put(key, value)}],
+                                           "failure": [{"request_range": {"key": full}}]})
+        if answer.get("succeeded"):
+            return True, (value, 0)
+        return False, _first_kv(answer["responses"][0]["response_range"])
 
     def _post(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
         payload = json.dumps(body)

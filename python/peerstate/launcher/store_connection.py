@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from peerstate.control import keys
-from peerstate.control.etcd_store import EtcdKeyValueStore, TlsFiles, is_etcd
-from peerstate.control.kvstore import KeyValueStore, TorchKeyValueStore
+from peerstate.control.etcd_store import EtcdKeyValueStore, TlsFiles
+from peerstate.control.kvstore import KeyValueStore, is_etcd, open_store
 from peerstate.errors import InvalidArgumentError, JobFailedError
 
 
@@ -35,9 +35,10 @@ def open_job_store(store: str, node: int, job_id: Optional[str], store_timeout: 
         kv.get(keys.CONFIG)
         return kv, False
     hosts = node == 0
-    host, port = store.rsplit(":", 1)
     try:
-        return TorchKeyValueStore(host, int(port), host_store=hosts, timeout=join_timeout), hosts
+        return open_store(store, timeout=join_timeout, host_store=hosts), hosts
+    except InvalidArgumentError:
+        raise
     except Exception as error:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
         raise JobFailedError(f"node {node} could not {'host' if hosts else 'reach'} the job's store at {store}: "
                              f"{error}") from None

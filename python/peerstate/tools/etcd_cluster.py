@@ -54,6 +54,10 @@ class EtcdCluster:
             raise InvalidArgumentError("no etcd binary on the PATH (Debian: apt-get install etcd-server)")
         self.directory = directory
         self.tls = tls
+        self._context: Optional[ssl.SSLContext] = None
+        if tls:
+            self._context = ssl.create_default_context(cafile=tls.ca)
+            self._context.load_cert_chain(tls.client_cert, tls.client_key)
         self.client_ports = [_free_port() for _ in range(members)]
         peer_ports = [_free_port() for _ in range(members)]
         initial = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peer_ports))
@@ -90,11 +94,9 @@ class EtcdCluster:
         return ("etcds://" if self.tls else "etcd://") + ",".join(self.endpoints)
 
     def status(self, member: int) -> dict:
-        if self.tls:
-            context = ssl.create_default_context(cafile=self.tls.ca)
-            context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        if self._context:
             connection: http.client.HTTPConnection = http.client.HTTPSConnection(
-                "127.0.0.1", self.client_ports[member], timeout=2, context=context)
+                "127.0.0.1", self.client_ports[member], timeout=2, context=self._context)
         else:
             connection = http.client.HTTPConnection("127.0.0.1", self.client_ports[member], timeout=2)
         try:
