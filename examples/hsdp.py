@@ -3,8 +3,11 @@
     peerstate run --nproc-per-node 4 --spares 1 examples/hsdp.py --steps 100
 
 Each rank holds a shard of the model and of AdamW's state, the same shard as
-the rank at the same place of the other replica group. Kill any rank (its pid
-is printed) and a spare takes its place with its shard, pulled from its buddy;
+the rank at the same place of the other replica group: ``track(data_parallel=
+"replicate")`` says so, and peerstate uses that replica as the shard's copy
+(no replication traffic, no replica memory). Kill any rank (its pid is
+printed) and a spare takes its place with its shard, pulled from the rank at
+its place in the other replica group, and its own RNG state from its buddy;
 the other ranks stay in their processes.
 """
 
@@ -40,7 +43,8 @@ for layer in model[::2]:
     fully_shard(layer, mesh=mesh.mesh)
 fully_shard(model, mesh=mesh.mesh)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-job.track(model=model, optimizer=optimizer)
+# The shard is the same along "replicate": those ranks are each other's copies of it.
+job.track(model=model, optimizer=optimizer, data_parallel="replicate")
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
 
 for step in job.steps(args.steps):

@@ -4,7 +4,10 @@ one pipeline, gradients averaged over "dp".
 
     peerstate run --nproc-per-node 4 --spares 1 examples/pipeline.py --steps 100
 
-Kill any rank (its pid is printed): a spare takes its stage.
+Kill any rank (its pid is printed): a spare takes its stage, pulled from the
+rank that holds the same stage in the other pipeline (``track(data_parallel=
+"dp")``: a stage's weights are the same along "dp"), and its own RNG state
+from its buddy.
 """
 
 import argparse
@@ -37,7 +40,7 @@ job.wait_for_rank()  # which stage this process holds depends on its rank
 stage_index = mesh.mesh.get_local_rank("pp")
 module = stages[stage_index].to(device)
 optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-job.track(model=module, optimizer=optimizer)
+job.track(model=module, optimizer=optimizer, data_parallel="dp")  # a stage is the same along "dp": its copies
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
 
 

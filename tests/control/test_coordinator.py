@@ -15,6 +15,7 @@ from peerstate.control import keys  # noqa: E402
 from peerstate.control.coordinator import Coordinator  # noqa: E402
 from peerstate.control.messages import MemberReport, RecoveryPlan  # noqa: E402
 from peerstate.control.planning import recovery_point, share_sources, sources_of  # noqa: E402
+from peerstate.replication.placement import default_share_count, mesh_replica_sets  # noqa: E402
 from peerstate.control.kvstore import TorchKeyValueStore  # noqa: E402
 from peerstate.control.timeline import EventLog, read_events, recovery_timeline  # noqa: E402
 
@@ -279,6 +280,33 @@ def test_data_parallel_shares_are_held_once_per_node():
         DataParallelShares(node_of_rank=[0, 0, 1], count=2)
     with pytest.raises(InvalidArgumentError, match="one node would keep one copy"):
         DataParallelShares(node_of_rank=[0, 0], count=2)
+
+
+def test_hsdp_replica_sets_are_the_groups_along_the_replicate_dimension():
+    assert mesh_replica_sets(4, (2, 2), 0) == [[0, 2], [1, 3]]  # ("replicate", "shard"): the same shard
+    assert mesh_replica_sets(8, (2, 2, 2), 1) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh_replica_sets(6, (3, 2), 1) == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(InvalidArgumentError, match="no dimension 2"):
+        mesh_replica_sets(4, (2, 2), 2)
+    # one member of each set per node: one share per set, numbered across the job
+    sets = mesh_replica_sets(8, (2, 4), 0)
+    nodes = [0, 0, 0, 0, 1, 1, 1, 1]
+    assert default_share_count(nodes, sets) == 1 and default_share_count(nodes) == 4
+    shares = DataParallelShares(nodes, 1, sets)
+    assert shares.total == 4 and [shares.share_of(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert shares.holders(2) == [2, 6] and list(shares.set_shares(6)) == [2]
+    # sets of 4 over 2 nodes: 2 members per node, so up to 2 shares per set
+    sets = mesh_replica_sets(8, (4, 2), 0)  # [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert default_share_count(nodes, sets) == 2
+    shares = DataParallelShares(nodes, 2, sets)
+    assert [shares.share_of(r) for r in range(8)] == [0, 2, 1, 3, 0, 2, 1, 3]
+    assert [shares.local(s) for s in range(4)] == [0, 1, 0, 1] and list(shares.set_shares(3)) == [2, 3]
+    with pytest.raises(InvalidArgumentError, match="between 1 and the members a replica set has on a node"):
+        DataParallelShares(nodes, 3, sets)
+    with pytest.raises(InvalidArgumentError, match="on one node would keep one copy"):
+        DataParallelShares([0, 0, 1, 1], 2, [[0, 1], [2, 3]])
+    with pytest.raises(InvalidArgumentError, match="every rank of 0..3 once"):
+        DataParallelShares([0, 0, 1, 1], 1, [[0, 1], [1, 3]])
 
 
 def test_every_member_needs_every_share_at_the_recovery_point():

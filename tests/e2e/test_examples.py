@@ -27,6 +27,11 @@ def run_example(tmp_path, name, kill=None):
         assert job.wait() == [0, 0], job.describe()
         assert [e["failed"] for e in job.events("recovery")] == ([[kill]] if kill is not None else []), \
             job.describe()
+        if kill is not None and name in ("hsdp.py", "pipeline.py"):
+            # The shard (the stage) comes from the rank at its place in the other replica
+            # group (pipeline), the free copy the mesh keeps: track(data_parallel=...).
+            pulls = [(e["shares"], e["sources"]) for e in job.events("pulled") if e["replacement"]]
+            assert pulls == [([0], {"0": [kill ^ 2]})], job.describe()
         return {rank: torch.load(out / f"rank{rank}.pt") for rank in range(4)}
     finally:
         job.close()

@@ -6,7 +6,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from peerstate import InvalidArgumentError  # noqa: E402
-from peerstate.replication.placement import DataParallelShares  # noqa: E402
 from peerstate.worker.tracked_state import TrackedState  # noqa: E402
 
 
@@ -23,7 +22,7 @@ class Counter:
 
 @pytest.fixture
 def tracked():
-    state = TrackedState(DataParallelShares([0], 1), versions=4, threads=1)
+    state = TrackedState([0], k=1, share_count=None, versions=4, threads=1)
     yield state
     state.close()
 
@@ -75,3 +74,31 @@ def test_a_seed_set_after_a_restore_is_seen_once(tracked):
     torch.manual_seed(1234)
     assert tracked.rng_changed()
     assert not tracked.rng_changed()
+
+
+def test_under_hsdp_each_rank_snapshots_its_replica_sets_state_whole_and_says_so():
+    # ("replicate", "shard") = 2 x 2 on 2 nodes of 2: ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1,
+    # each pair on two nodes, so each member keeps a full copy of its set's state (one share per set)
+    state = TrackedState([0, 0, 1, 1], k=1, share_count=None, versions=4, threads=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        state.track(model=model, optimizer=None, scheduler=None, loader=None, extras={}, data_parallel=True,
+                    replica_mesh=(2, 2), replica_dim=0)
+        assert (state.layout.share_count, state.layout.replica_mesh, state.layout.replica_dim) == (1, (2, 2), 0)
+        assert [state.shares.share_of(r) for r in range(4)] == [0, 1, 0, 1]
+        state.register(3)
+        assert len(state.share_stores) == 1 and state.own_share(3) is state.share_stores[0]
+        assert sorted(state.share_stores[0].owners()) == ["model/bias", "model/weight"]  # the shard, whole
+        assert "model/weight" not in state.own.owners()
+    finally:
+        state.close()
+
+
+def test_a_share_count_a_replica_set_cannot_hold_is_refused_at_track():
+    state = TrackedState([0, 0, 1, 1], k=1, share_count=2, versions=4, threads=1)
+    try:
+        with pytest.raises(InvalidArgumentError, match="between 1 and the members a replica set has on a node"):
+            state.track(model=None, optimizer=None, scheduler=None, loader=None, extras={}, data_parallel=True,
+                        replica_mesh=(2, 2), replica_dim=0)
+    finally:
+        state.close()

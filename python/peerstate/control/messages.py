@@ -78,7 +78,8 @@ class MemberReport:
         data["address"] = tuple(data["address"])
         data["checkpoint"] = tuple(data["checkpoint"]) if data.get("checkpoint") else None
         layout = data.get("layout")
-        data["layout"] = _layout(layout["k"], layout["share_count"], layout["data_parallel"]) if layout else None
+        data["layout"] = _layout(layout["k"], layout["share_count"], layout["data_parallel"],
+                                 tuple(layout["replica_mesh"]), layout["replica_dim"]) if layout else None
         report = cls.__new__(cls)
         report.__dict__.update(data)
         return report
@@ -94,11 +95,17 @@ class StateLayout:
     k: int = 1
     share_count: int = 1
     data_parallel: bool = False
+    # The replica sets of the data-parallel state (the ranks whose copies are equal): the
+    # groups along dimension ``replica_dim`` of a mesh of shape ``replica_mesh`` (HSDP's
+    # "replicate" dimension), or every rank when ``replica_mesh`` is empty (DDP).
+    replica_mesh: Tuple[int, ...] = ()
+    replica_dim: int = -1
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(k: int, share_count: int, data_parallel: bool) -> StateLayout:
-    return StateLayout(k, share_count, data_parallel)  # one object per layout, not one per member
+def _layout(k: int, share_count: int, data_parallel: bool, replica_mesh: Tuple[int, ...],
+            replica_dim: int) -> StateLayout:
+    return StateLayout(k, share_count, data_parallel, replica_mesh, replica_dim)  # one object per layout
 
 
 @dataclass
@@ -199,6 +206,7 @@ class NodeInstructions:
     own_sources: Dict[int, List[int]] = field(default_factory=dict)    # member needing state -> its holders
     share_of: Dict[int, int] = field(default_factory=dict)             # member -> the share it snapshots
     members: List[int] = field(default_factory=list)                   # the node's members in this epoch
+    share_count: int = 1                                               # shares per replica set (share % count: the store)
 
     def encode(self) -> bytes:
         return json.dumps(self.__dict__).encode()  # flat: faster than asdict, the same fields

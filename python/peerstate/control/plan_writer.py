@@ -22,7 +22,7 @@ from peerstate.control.messages import MemberReport, NodeInstructions, NodeRepor
 from peerstate.control.planning import lost_without_checkpoint, node_of_worker, plan_nodes
 from peerstate.control.timeline import EventLog
 from peerstate.errors import JobFailedError
-from peerstate.replication.placement import BuddyPlacement, DataParallelShares
+from peerstate.replication.placement import BuddyPlacement, DataParallelShares, mesh_replica_sets
 
 
 # The writer waits longer for a node's report than a node waits for its own members
@@ -94,25 +94,34 @@ class InstructionWriter:
     def instructions(self, plan: RecoveryPlan, reports: Dict[int, MemberReport]) -> Dict[int, NodeInstructions]:
         """Every node's instructions for ``plan``'s epoch (``planning.plan_nodes``); a
         loss without a checkpoint also stops the job."""
-        placement, shares = self._placement(reports)
-        data_parallel = next(iter(reports.values())).layout.data_parallel
-        orders = plan_nodes(plan.epoch, reports, placement, shares if data_parallel else None, plan.failed,
+        layout = self._layout(reports)
+        placement, shares = self._placement(layout, len(reports))
+        orders = plan_nodes(plan.epoch, reports, placement, shares if layout.data_parallel else None, plan.failed,
                             _common_checkpoint(reports) if plan.epoch > 0 else None)
         self._note_loss(plan, reports, next(iter(orders.values())))
         return orders
 
-    def _placement(self, reports: Dict[int, MemberReport]) -> Tuple[BuddyPlacement, DataParallelShares]:
-        layouts = {r.layout for r in reports.values()}
+    def _layout(self, reports: Dict[int, MemberReport]) -> StateLayout:
+        """The layout the members that hold state agree on. A member that needs state
+        does not count: a replacement may join before its script reached track()
+        (FSDP2 shards its model only once it has a rank), with nothing placed yet."""
+        holding = [r.layout for r in reports.values() if not r.needs_state] or [r.layout for r in reports.values()]
+        layouts = set(holding)
         if len(layouts) > 1:
             message = (f"the members disagree on how the state is placed ({sorted(map(str, layouts))}): every rank "
                        "must call Job() and track() with the same k, data_parallel_shares and data_parallel")
             self._coordinator.fail_job(message)
             raise JobFailedError(message)
-        layout = layouts.pop()
+        return layouts.pop()
+
+    def _placement(self, layout: StateLayout, world_size: int) -> Tuple[BuddyPlacement, DataParallelShares]:
         if layout not in self._layouts:
             nproc = self._coordinator.shape()["nproc_per_node"]
-            nodes = [r // nproc for r in range(len(reports))]  # the placement's nodes are the initial ones
-            self._layouts[layout] = (BuddyPlacement(nodes, k=layout.k), DataParallelShares(nodes, layout.share_count))
+            nodes = [r // nproc for r in range(world_size)]  # the placement's nodes are the initial ones
+            sets = mesh_replica_sets(world_size, layout.replica_mesh, layout.replica_dim) if layout.replica_mesh \
+                else None
+            self._layouts[layout] = (BuddyPlacement(nodes, k=layout.k),
+                                     DataParallelShares(nodes, layout.share_count, sets))
         return self._layouts[layout]
 
     def _note_loss(self, plan: RecoveryPlan, reports: Dict[int, MemberReport], orders: NodeInstructions) -> None:

@@ -57,7 +57,7 @@ def recovery_point(reports: Mapping[int, MemberReport], placement: BuddyPlacemen
         else:
             available = set(reports[rank].local)
         candidates = available if candidates is None else candidates & available
-    for share in range(shares.count if shares is not None else 0):
+    for share in range(shares.total if shares is not None else 0):
         holders = shares.holders(share)
         kept = [s for s in holders if not reports[s].needs_state]
         if not kept:
@@ -167,10 +167,12 @@ def plan_nodes(epoch: int, reports: Mapping[int, MemberReport], placement: Buddy
         else:
             outcome = "restore"
             holders_at = {share: ShareHolders(share_sources(share, version, reports, shares), node_of)
-                          for share in range(shares.count if shares is not None else 0)}
+                          for share in range(shares.total if shares is not None else 0)}
     orders: Dict[int, NodeInstructions] = {}
     for node, ranks in by_node.items():
-        pulls = {share: holders.pick(node) for share, holders in holders_at.items()}
+        # The shares of the node's members' replica sets (every share under DDP).
+        pulls = {share: holders_at[share].pick(node)
+                 for share in sorted({s for r in ranks for s in shares.set_shares(r)})} if holders_at else {}
         own = {r: sources_of(r, version, reports, placement) for r in ranks
                if outcome == "restore" and reports[r].needs_state}
         peers = {p for r in ranks for p in placement.holders(r)}
@@ -178,7 +180,8 @@ def plan_nodes(epoch: int, reports: Mapping[int, MemberReport], placement: Buddy
         peers.update(p for sources in pulls.values() for p in sources)
         orders[node] = NodeInstructions(
             epoch, node, {p: reports[p].address for p in sorted(peers)}, outcome, version, message, path, pulls, own,
-            {r: shares.share_of(r) for r in ranks} if holders_at else {}, list(ranks))
+            {r: shares.share_of(r) for r in ranks} if holders_at else {}, list(ranks),
+            shares.count if shares is not None else 1)
     return orders
 
 
@@ -197,10 +200,13 @@ def expand(orders: NodeInstructions, reports: Mapping[int, MemberReport],
             restore = RestorePlan(RestoreSource.CHECKPOINT, version=orders.version, checkpoint=orders.checkpoint,
                                   message=orders.message)
         elif orders.outcome == "restore":
-            pulls = {share: SharePull(share, sources, same_node_regions(report.worker, orders.version, sources,
-                                                                        reports))
+            # The shares of its replica set it does not snapshot itself (all of them for a
+            # replacement), by their index in the set: the store that receives each.
+            count, own = orders.share_count, orders.share_of.get(rank)
+            pulls = {share % count: SharePull(share % count, sources,
+                                              same_node_regions(report.worker, orders.version, sources, reports))
                      for share, sources in orders.share_sources.items()
-                     if report.needs_state or share != orders.share_of.get(rank)}
+                     if share // count == own // count and (report.needs_state or share != own)}
             restore = (RestorePlan(RestoreSource.PEERS, version=orders.version, own_sources=orders.own_sources[rank],
                                    shares=pulls) if report.needs_state else
                        RestorePlan(RestoreSource.LOCAL, version=orders.version, shares=pulls))

@@ -23,6 +23,7 @@ identical state each rank snapshots.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import OrderedDict
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
@@ -206,55 +207,102 @@ class BuddyPlacement:
         return [r for r in sorted(dead_set) if all(s in dead_set for s in self.sources(r))]
 
 
-class DataParallelShares:
-    """Which share of the data-parallel state (the same on every rank) each rank
-    snapshots.
+def mesh_replica_sets(world_size: int, mesh_shape: Sequence[int], dim: int) -> List[List[int]]:
+    """The groups of ranks along dimension ``dim`` of a row-major mesh of ``mesh_shape``
+    over ranks 0..world_size-1 (how ``init_device_mesh`` lays ranks out): for HSDP's
+    ("replicate", "shard") mesh and ``dim=0``, the ranks that hold the same shard."""
+    shape = [int(size) for size in mesh_shape]
+    if not 0 <= dim < len(shape) or math.prod(shape) != world_size:
+        raise InvalidArgumentError(f"mesh {shape} has no dimension {dim} over {world_size} ranks")
+    stride = math.prod(shape[dim + 1:])
+    size = shape[dim]
+    starts = [r for r in range(world_size) if (r // stride) % size == 0]
+    return [[start + i * stride for i in range(size)] for start in starts]
 
-    Every rank trains with all of that state, but copying all of it at every step
-    on every rank makes as many snapshots as ranks, where one per failure domain
-    is the redundancy. So the state is cut into ``count`` shares of equal bytes
-    (``split``), and the rank with index i on its node snapshots share ``i % count``:
-    each node keeps ``ranks_per_node / count`` full copies, and a job of N nodes
-    N times that. ``count=1`` is a full copy on every rank.
+
+class DataParallelShares:
+    """Which share of the data-parallel state each rank snapshots.
+
+    Data-parallel state is the same on every member of a *replica set*: every rank
+    under DDP (one set, the default), or, under HSDP, the ranks that hold the same
+    shard (one set per shard, the mesh's "replicate" dimension). Every member trains
+    with all of its set's state, but copying all of it at every step on every member
+    makes as many snapshots as members, where one per failure domain is the
+    redundancy. So each set's state is cut into ``count`` shares of equal bytes
+    (``split``), and the member with index i among its set's members on its node
+    snapshots that set's share ``i % count``: each node keeps ``members on the node
+    / count`` full copies of each set's state, and a job of N nodes N times that.
+    ``count=1`` is a full copy on every member (HSDP, where a set has one member
+    per node, always is). No share is replicated to buddies: its holders are each
+    other's copies.
+
+    Shares are numbered across the job (set s has shares ``s * count`` to
+    ``s * count + count - 1``); ``local(share)`` is its index among its set's,
+    which is what a rank's share stores and its server use.
 
     The price is paid at recovery: a rank that rolls back restores its own share
-    from its memory and pulls the others, from its node's ranks while they live,
-    else from another node; a replacement pulls every share.
+    from its memory and pulls its set's others, from its node's ranks while they
+    live, else from another node; a replacement pulls every share of its set.
 
     Args:
         node_of_rank: the node id of each rank (index = rank).
-        count: number of shares, at most the ranks of the smallest node; more than
-            one needs two nodes at least (one node holds one copy of each share).
+        count: shares per replica set, at most the members a set has on any node it
+            spans; more than one needs every set on two nodes at least (one node
+            holds one copy of each share).
+        replica_sets: the replica sets, a partition of the ranks (default: one set,
+            every rank).
     """
 
-    def __init__(self, node_of_rank: Sequence[Hashable], count: int) -> None:
-        ranks_by_node: "OrderedDict[Hashable, List[int]]" = OrderedDict()
-        for rank, node in enumerate(node_of_rank):
-            ranks_by_node.setdefault(node, []).append(rank)
-        smallest = min((len(ranks) for ranks in ranks_by_node.values()), default=0)
+    def __init__(self, node_of_rank: Sequence[Hashable], count: int,
+                 replica_sets: Optional[Sequence[Sequence[int]]] = None) -> None:
+        world = len(node_of_rank)
+        sets = [list(range(world))] if replica_sets is None else [sorted(s) for s in replica_sets]
+        if sorted(r for members in sets for r in members) != list(range(world)):
+            raise InvalidArgumentError(f"the replica sets {sets} must hold every rank of 0..{world - 1} once")
+        smallest = _fewest_per_node(node_of_rank, sets)
+        single_node = any(len({node_of_rank[r] for r in members}) < 2 for members in sets)
         if not 1 <= count <= max(smallest, 1):
-            raise InvalidArgumentError(f"data-parallel shares must be between 1 and the ranks of the smallest node "
-                                       f"({smallest}), got {count}: each node must hold every share")
-        if count > 1 and len(ranks_by_node) < 2:
-            raise InvalidArgumentError(f"{count} data-parallel shares on one node would keep one copy of each: a "
-                                       "rank's death would lose its share. Use 1 share (a full copy per rank)")
+            raise InvalidArgumentError(f"data-parallel shares must be between 1 and the members a replica set has "
+                                       f"on a node, the ranks of the smallest node under DDP ({smallest}), got "
+                                       f"{count}: each node must hold every share")
+        if count > 1 and single_node:
+            raise InvalidArgumentError(f"{count} data-parallel shares of a replica set on one node would keep one "
+                                       "copy of each: a rank's death would lose its share. Use 1 share (a full copy "
+                                       "per rank)")
         self.count = count
-        self._share_of = [0] * len(node_of_rank)
-        for ranks in ranks_by_node.values():
-            for index, rank in enumerate(ranks):
-                self._share_of[rank] = index % count
+        self.total = count * len(sets)  # shares in the whole job
+        self._share_of = [0] * world
+        for index, members in enumerate(sets):
+            by_node: "OrderedDict[Hashable, List[int]]" = OrderedDict()
+            for rank in members:
+                by_node.setdefault(node_of_rank[rank], []).append(rank)
+            for ranks in by_node.values():
+                for position, rank in enumerate(ranks):
+                    self._share_of[rank] = index * count + position % count
+        self._holders: List[List[int]] = [[] for _ in range(self.total)]
+        for rank, share in enumerate(self._share_of):
+            self._holders[share].append(rank)
 
     def share_of(self, rank: int) -> int:
-        """The share ``rank`` snapshots."""
+        """The share ``rank`` snapshots (numbered across the job)."""
         return self._share_of[rank]
+
+    def local(self, share: int) -> int:
+        """``share``'s index among its replica set's shares: the store that keeps it."""
+        return share % self.count
+
+    def set_shares(self, rank: int) -> range:
+        """The shares of ``rank``'s replica set: every one ``rank`` trains with."""
+        first = self._share_of[rank] - self._share_of[rank] % self.count
+        return range(first, first + self.count)
 
     def holders(self, share: int) -> List[int]:
         """The ranks that snapshot ``share``."""
-        return [r for r, s in enumerate(self._share_of) if s == share]
+        return list(self._holders[share])
 
     def split(self, nbytes: Sequence[int], alignment: int = 4096) -> List[List[Tuple[int, int, int]]]:
         """How to cut items of sizes ``nbytes`` (in order, as if laid end to end) into
-        the shares: equal parts of the whole, a cut inside an item moved down to a
+        a replica set's shares (local indices): equal parts of the whole, a cut inside an item moved down to a
         multiple of ``alignment`` bytes (a multiple of any element size). Returns, per
         item, its pieces as (share, start byte, end byte). Deterministic, so every
         rank cuts the same tensors the same way; one large tensor is split too."""
@@ -276,3 +324,26 @@ class DataParallelShares:
             pieces.append(item)
             position += size
         return pieces
+
+
+def default_share_count(node_of_rank: Sequence[Hashable],
+                        replica_sets: Optional[Sequence[Sequence[int]]] = None) -> int:
+    """The most shares each replica set (default: every rank) can be cut into so that
+    every node it spans keeps a full copy of it: the fewest members a set has on one
+    of its nodes (the ranks of the smallest node under DDP; 1 under HSDP, one member
+    per node), or 1 when a set lies on one node (a share would then have one copy)."""
+    sets = [list(range(len(node_of_rank)))] if replica_sets is None else replica_sets
+    if any(len({node_of_rank[r] for r in members}) < 2 for members in sets):
+        return 1
+    return _fewest_per_node(node_of_rank, sets)
+
+
+def _fewest_per_node(node_of_rank: Sequence[Hashable], replica_sets: Sequence[Sequence[int]]) -> int:
+    """The fewest members any replica set has on one of the nodes it spans."""
+    fewest = None
+    for members in replica_sets:
+        per_node: Dict[Hashable, int] = {}
+        for rank in members:
+            per_node[node_of_rank[rank]] = per_node.get(node_of_rank[rank], 0) + 1
+        fewest = min(per_node.values()) if fewest is None else min(fewest, *per_node.values())
+    return fewest or 0

@@ -52,7 +52,7 @@ import math
 import os
 import sys
 import warnings
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
@@ -63,17 +63,18 @@ from peerstate.control.progress import ProgressCounter
 from peerstate.control.timeline import EventLog
 from peerstate.errors import InvalidArgumentError, JobFailedError
 from peerstate.replication.endpoint import Replication
-from peerstate.replication.placement import BuddyPlacement, DataParallelShares
+from peerstate.replication.placement import BuddyPlacement
 from peerstate.worker.abort import AbortHandler
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.joiner import EpochJoiner, Superseded
 from peerstate.worker.membership import EpochWatcher, Membership, MemberState
-from peerstate.worker.meshes import DeclaredMesh
+from peerstate.worker.meshes import DeclaredMesh, replica_dimension
 from peerstate.worker.process_groups import ProcessGroups, Subgroup, claim_default_group, release_default_group
 from peerstate.worker.rebuild import DistributedWrappers, RebuildableDDP
 from peerstate.worker.regroup import BusyPeerRegroup
 from peerstate.worker.report import RecoveryReport
 from peerstate.worker.restorer import Restorer
+from peerstate.worker.resume import CheckpointResume
 from peerstate.worker.step_boundary import StepBoundary, StepGuard
 from peerstate.worker.tracked_state import TrackedState
 
@@ -114,13 +115,14 @@ class Job:
             under ``abort_timeout / 10``: a member that dies inside the
             re-forming holds the others up to five times that (gloo's connect
             wait), again ``abort_timeout / 2``.
-        data_parallel_shares: with ``track(data_parallel=True)``, how many shares the
+        data_parallel_shares: with ``track(data_parallel=...)``, how many shares the
             data-parallel state is split into for snapshots (``DataParallelShares``):
             the i-th rank of a node snapshots share i % shares. Default: one share
             per rank of a node when the job has two nodes or more (each node keeps
-            one full copy), else 1 (every rank keeps a full copy). Fewer bytes per
-            step per rank; a recovery pulls the shares a rank lacks. Also read
-            from ``PEERSTATE_DATA_PARALLEL_SHARES``.
+            one full copy), else 1 (every rank keeps a full copy); under HSDP, 1.
+            Fewer bytes per step per rank; a recovery pulls the shares a rank
+            lacks. Also read from ``PEERSTATE_DATA_PARALLEL_SHARES``; checked at
+            ``track()``.
         replica_budget_bytes, snapshot_threads: passed to the stores.
     """
 
@@ -155,9 +157,6 @@ class Job:
         self.placement = BuddyPlacement(nodes, k=k)
         if data_parallel_shares is None and os.environ.get("PEERSTATE_DATA_PARALLEL_SHARES"):
             data_parallel_shares = int(os.environ["PEERSTATE_DATA_PARALLEL_SHARES"])
-        if data_parallel_shares is None:
-            data_parallel_shares = env.nproc_per_node if len(set(nodes)) > 1 else 1
-        self.shares = DataParallelShares(nodes, data_parallel_shares)
         self.progress = ProgressCounter(env.progress) if env.progress else None
         if self.progress:
             self.progress.start_ticking()
@@ -166,7 +165,8 @@ class Job:
         self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,
                                     connect_timeout=abort_timeout / 10)
         self.membership = Membership(env.worker, spare=env.spare)
-        self.tracked = TrackedState(self.shares, versions, snapshot_threads)
+        self.tracked = TrackedState(nodes, k, data_parallel_shares, versions, snapshot_threads)
+        self._meshes: List[DeclaredMesh] = []
         self.wrappers = DistributedWrappers(self.kv)
         self.checkpoints = checkpoints = DiskCheckpoints(self.tracked, self.wrappers,
                                                          checkpoint_dir or env.checkpoint_dir,
@@ -176,10 +176,12 @@ class Job:
                                      self.progress, snapshot_every, join_timeout)
         # The same script without the capture, for the benchmarks' baselines (no failure is survivable).
         self.capture = os.environ.get("PEERSTATE_CAPTURE", "1") != "0"
+        self.resume = CheckpointResume(self.kv, self.coordinator, checkpoints, self.boundary, self.tracked,
+                                       self.events)
         self.restorer = Restorer(self.membership, self.tracked, checkpoints, self.report)
         self.joiner = EpochJoiner(self.membership, self.kv, self.channel, self.coordinator, self.groups, self.tracked,
                                   self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,
-                                  self.placement, self.shares, env.world_size, join_timeout, failure_grace)
+                                  self.placement, env.world_size, join_timeout, failure_grace)
         self.regroup = BusyPeerRegroup(self.coordinator, self.groups, self.events, f"agent{env.node}", env.worker,
                                        env.world_size, abort_timeout, join_timeout)
         self.aborts = AbortHandler(self.membership, [self.groups.abort, self._abort_transfers], self.events,
@@ -262,6 +264,7 @@ class Job:
                                        f"{list(mesh_dim_names)} for the {len(shape)} dimensions of {shape}")
         declared = DeclaredMesh(device_type, shape, mesh_dim_names)
         self.groups.add(declared, self.join_timeout)
+        self._meshes.append(declared)
         return declared
 
     def _check_declaration(self, what: str) -> None:
@@ -273,7 +276,7 @@ class Job:
                                        "epoch's groups with the survivors, who will not create this one")
 
     def track(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, loader: Any = None,
-              extras: Optional[Mapping[str, Any]] = None, data_parallel: bool = False) -> None:
+              extras: Optional[Mapping[str, Any]] = None, data_parallel: Union[bool, str] = False) -> None:
         """Say what the training state is. ``scheduler`` and ``loader`` need
         ``state_dict()``/``load_state_dict()``; the RNG states of Python, NumPy,
         torch and CUDA are always captured. Each of ``extras`` is an object with
@@ -292,11 +295,17 @@ class Job:
         each rank snapshots its share of them (``data_parallel_shares``), and a rank
         that recovers pulls the shares it lacks from the surviving ranks' own
         snapshots (no replication traffic, no extra memory). Only each rank's own
-        state (RNG, loader, extras) goes to its buddies."""
+        state (RNG, loader, extras) goes to its buddies. ``data_parallel`` may
+        instead name a dimension of a mesh declared with ``device_mesh``: that state
+        is then the same on the ranks along it (HSDP: ``"replicate"``, where the
+        rank at the same place of every replica group holds the same shard), which
+        are each other's copies in the same way."""
+        replica_mesh, replica_dim = replica_dimension(self._meshes, data_parallel)
         self.tracked.track(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
-                           extras=extras or {}, data_parallel=data_parallel)
+                           extras=extras or {}, data_parallel=bool(data_parallel), replica_mesh=replica_mesh,
+                           replica_dim=replica_dim)
         self.wrappers.model = model
-        resume = self._resume_point()
+        resume = self.resume.point(new_job=not (self.membership.replacement or self.recoveries or self.next_step))
         if (self.membership.needs_state or resume) and optimizer is not None and not optimizer.state:
             from torch.distributed.checkpoint.state_dict import _init_optim_state
 
@@ -306,36 +315,12 @@ class Job:
             if self.replication is not None:
                 self.boundary.replication_serves_shares()
         elif resume:
-            self._resume(*resume)
+            self.joiner.next_step = self.resume.load(*resume, self.rank)
         if optimizer is not None:
             optimizer.register_step_pre_hook(lambda *_: self.boundary.start_replication())
         self.wait_for_rank()
         if self.restorer.pending is not None:
             self.restorer.restore_pending()
-
-    def _resume_point(self) -> Optional[Tuple[int, str]]:
-        """A new job's (step, path) to resume from: the newest complete checkpoint in
-        its checkpoint directory, as the first member to look found it (so every
-        member loads the same one). None for a replacement or a job under way."""
-        checkpoints = self.checkpoints
-        if not checkpoints.directory or self.membership.replacement or self.recoveries or self.next_step:
-            return None
-        found = checkpoints.latest()
-        step_and_path = json.loads(self.kv.compare_set(keys.RESUME, b"", json.dumps(found or "").encode()))
-        return (int(step_and_path[0]), step_and_path[1]) if step_and_path else None
-
-    def _resume(self, step: int, path: str) -> None:
-        self.boundary.register()
-        try:
-            self.checkpoints.load(path, step, self.rank)
-        except InvalidArgumentError as error:  # every rank, and any replacement, would fail the same
-            raise InvalidArgumentError(self.coordinator.fail_job(str(error))) from None
-        self.joiner.next_step = step + 1
-        self.tracked.remember_rng()  # Job.guard says so if a seed after track() replaces what was loaded
-        self.events.write("resumed", rank=self.rank, step=step, path=path)
-        if self.rank == 0:
-            print(f"peerstate: resumed from the disk checkpoint of step {step} ({path}); the loop goes on at step "
-                  f"{step + 1}", file=sys.stderr, flush=True)
 
     @property
     def extras(self) -> Dict[str, Any]:

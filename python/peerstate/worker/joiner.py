@@ -12,12 +12,12 @@ from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.messages import (MemberInstructions, MemberReport, NodeInstructions, RecoveryPlan, RestorePlan,
-                                        RestoreSource, StateLayout)
+                                        RestoreSource)
 from peerstate.control.planning import expand, lost_without_checkpoint, node_of_worker
 from peerstate.control.timeline import EventLog
 from peerstate.errors import AbortedError, JobFailedError, StateLostError
 from peerstate.replication.endpoint import Replication
-from peerstate.replication.placement import BuddyPlacement, DataParallelShares
+from peerstate.replication.placement import BuddyPlacement
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.membership import EpochWatcher, Membership
 from peerstate.worker.process_groups import ProcessGroups
@@ -42,7 +42,7 @@ class EpochJoiner:
     def __init__(self, membership: Membership, kv: KeyValueStore, channel: KeyValueStore, coordinator: Coordinator,
                  groups: ProcessGroups, tracked: TrackedState, restorer: Restorer, boundary: StepBoundary,
                  wrappers: DistributedWrappers, checkpoints: DiskCheckpoints, report: RecoveryReport,
-                 events: EventLog, placement: BuddyPlacement, shares: DataParallelShares, world_size: int,
+                 events: EventLog, placement: BuddyPlacement, world_size: int,
                  join_timeout: float, failure_grace: float) -> None:
         self.membership = membership
         self.kv = kv
@@ -57,7 +57,6 @@ class EpochJoiner:
         self.report = report
         self.events = events
         self.placement = placement
-        self.shares = shares
         self.world_size = world_size
         self.join_timeout = join_timeout
         self.failure_grace = failure_grace
@@ -147,10 +146,9 @@ class EpochJoiner:
         local = self.tracked.local_versions(rank)
         share = self.tracked.own_share(rank)
         regions = {v: share.region_address(v) for v in local} if share is not None else {}
-        layout = StateLayout(self.placement.k, self.shares.count, self.tracked.data_parallel)
         self.channel.set(keys.member_report(epoch, rank), MemberReport(
             rank, self.membership.worker, local, self.replication.held_versions(), self.replication.address,
-            needs_state, os.getpid(), regions, self.checkpoints.latest(), layout).encode())
+            needs_state, os.getpid(), regions, self.checkpoints.latest(), self.tracked.layout).encode())
         key = keys.member_instructions(epoch, node_of_worker(self.membership.worker))
         deadline = time.monotonic() + self.join_timeout
         while True:

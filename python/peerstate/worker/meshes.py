@@ -21,7 +21,7 @@ nor re-formed, and ``Job.guard`` refuses to run a step while one exists.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 from peerstate.errors import InvalidArgumentError
 
@@ -88,3 +88,17 @@ class DeclaredMesh:
             # What torch.compile resolves groups through (names outside of it).
             getattr(self._mesh, "_pg_registry", {}).update(getattr(fresh, "_pg_registry", {}))
         self._formed = True
+
+
+def replica_dimension(meshes: Sequence[DeclaredMesh], data_parallel: Union[bool, str]) -> Tuple[Tuple[int, ...], int]:
+    """(mesh shape, dimension) along which the data-parallel state is the same, for
+    ``Job.track(data_parallel=NAME)``: the one declared mesh with a dimension of that
+    name. ((), -1) for ``data_parallel`` True (every rank) or False."""
+    if not isinstance(data_parallel, str):
+        return (), -1
+    named = [mesh for mesh in meshes if data_parallel in (mesh.dim_names or ())]
+    if len(named) != 1:
+        raise InvalidArgumentError(
+            f"track(data_parallel={data_parallel!r}) names a dimension of a mesh declared with job.device_mesh(), "
+            f"and exactly one must have it; the declared meshes' dimensions are {[m.dim_names for m in meshes]}")
+    return named[0].shape, named[0].dim_names.index(data_parallel)

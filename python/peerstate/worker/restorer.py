@@ -108,6 +108,6 @@ class Restorer:
         if shares:  # logged after the first step
             self._report.pulled = dict(
                 rank=self._membership.rank, version=version, replacement=replacement, shares=shares,
-                same_node_sources=sorted({s for share in shares for s in pulls[share].same_node}),
+                sources={share: pulls[share].sources for share in shares}, same_node_sources=sorted({s for share in shares for s in pulls[share].same_node}),
                 chunks=sum(results[s].chunks for s in shares),
                 chunks_from_memory=sum(results[s].chunks_from_memory for s in shares))

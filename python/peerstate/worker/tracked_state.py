@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import functools
 import pickle
-from typing import Any, Callable, Container, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Container, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from peerstate.control.messages import StateLayout
 from peerstate.errors import InvalidArgumentError
-from peerstate.replication.placement import DataParallelShares
+from peerstate.replication.placement import DataParallelShares, default_share_count, mesh_replica_sets
 from peerstate.state.buffers import ByteRange
 from peerstate.state.snapshot import SnapshotStore
 from peerstate.state.training_state import capture_rng, restore_rng, training_state
@@ -23,10 +24,19 @@ class TrackedState:
 
     ``own`` exists from the start; the share stores only once ``register`` runs for
     data-parallel state. Every store snapshots on the process's one copy-thread
-    pool (``ThreadPool::shared`` in the native core)."""
+    pool (``ThreadPool::shared`` in the native core).
 
-    def __init__(self, shares: DataParallelShares, versions: int, threads: Optional[int]) -> None:
-        self.shares = shares
+    ``node_of_rank``, ``k``: the job's layout; ``share_count``: the data-parallel
+    shares asked for (None: ``default_share_count``), cut once ``track`` says
+    which ranks hold equal copies."""
+
+    def __init__(self, node_of_rank: Sequence[int], k: int, share_count: Optional[int], versions: int,
+                 threads: Optional[int]) -> None:
+        self.node_of_rank = list(node_of_rank)
+        self.k = k
+        self.share_count = share_count
+        self.shares = DataParallelShares(self.node_of_rank, 1)  # until track() says which ranks are replicas
+        self.layout = StateLayout(k)
         self.versions = versions
         self.threads = threads
         self.own = SnapshotStore(max_versions=versions, threads=threads)
@@ -40,7 +50,15 @@ class TrackedState:
         self.registered = False
 
     def track(self, *, model: Any, optimizer: Any, scheduler: Any, loader: Any, extras: Mapping[str, Any],
-              data_parallel: bool) -> None:
+              data_parallel: bool, replica_mesh: Sequence[int] = (), replica_dim: int = -1) -> None:
+        """``replica_mesh``, ``replica_dim``: with ``data_parallel``, the ranks with equal
+        copies are the groups along that dimension of a mesh of that shape (HSDP);
+        every rank by default (DDP)."""
+        replica_mesh = tuple(int(size) for size in replica_mesh)
+        sets = mesh_replica_sets(len(self.node_of_rank), replica_mesh, replica_dim) if replica_mesh else None
+        count = self.share_count if self.share_count is not None else default_share_count(self.node_of_rank, sets)
+        self.shares = DataParallelShares(self.node_of_rank, count, sets)
+        self.layout = StateLayout(self.k, count, data_parallel, replica_mesh, replica_dim if replica_mesh else -1)
         self.objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}
         for name, value in extras.items():
             if _loads_in_place(value):
@@ -93,14 +111,15 @@ class TrackedState:
         A spare registers before it knows its share: all get ``versions``."""
         if self.share_stores:
             return
-        own = None if rank is None else self.shares.share_of(rank)
-        self.share_stores = [SnapshotStore(max_versions=self.versions if own in (None, share) else PULLED_SHARE_VERSIONS,
-                                           threads=self.threads) for share in range(self.shares.count)]
+        own = None if rank is None else self.shares.local(self.shares.share_of(rank))
+        self.share_stores = [SnapshotStore(max_versions=self.versions if own in (None, share) else
+                                           PULLED_SHARE_VERSIONS, threads=self.threads)
+                             for share in range(self.shares.count)]
 
     def _register_shares(self, tensors: Mapping[str, Any], objects: Mapping[str, Tuple[Callable, Callable]]) -> None:
         """Cut the data-parallel state into the share stores (the same cut on every
-        rank; a tensor across a cut is registered as two byte ranges); its Python
-        state goes with the lightest share."""
+        member of a replica set; a tensor across a cut is registered as two byte
+        ranges); its Python state goes with the lightest share."""
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
         load = [0] * self.shares.count
         for (name, tensor), size, pieces in zip(tensors.items(), sizes, self.shares.split(sizes)):
@@ -123,7 +142,7 @@ class TrackedState:
         """The share store ``rank`` snapshots (None without data-parallel state)."""
         if not (self.data_parallel and self.share_stores):
             return None  # not data-parallel, or not registered yet (a worker registers at its first step)
-        return self.share_stores[self.shares.share_of(rank)]
+        return self.share_stores[self.shares.local(self.shares.share_of(rank))]
 
     def snapshotted(self, rank: int) -> List[SnapshotStore]:
         """The stores ``rank`` snapshots: its own, then its share of the data-parallel state."""
