@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 from peerstate import BuddyPlacement, DataParallelShares, InvalidArgumentError, JobFailedError  # noqa: E402
 from peerstate.control import keys  # noqa: E402
-from peerstate.control.coordinator import Coordinator  # noqa: E402
+from peerstate.control.coordinator import Coordinator, Members  # noqa: E402
 from peerstate.control.messages import MemberReport, RecoveryPlan  # noqa: E402
 from peerstate.control.planning import recovery_point, share_sources, sources_of  # noqa: E402
 from peerstate.replication.placement import default_share_count, mesh_replica_sets  # noqa: E402
@@ -280,6 +280,20 @@ def test_data_parallel_shares_are_held_once_per_node():
         DataParallelShares(node_of_rank=[0, 0, 1], count=2)
     with pytest.raises(InvalidArgumentError, match="one node would keep one copy"):
         DataParallelShares(node_of_rank=[0, 0], count=2)
+
+
+def test_members_fold_the_replaced_ranks_over_the_initial_layout_without_listing_every_rank():
+    members = Members(world_size=6, nproc_per_node=2)
+    assert dict(members) == {0: "n0.0", 1: "n0.1", 2: "n1.0", 3: "n1.1", 4: "n2.0", 5: "n2.1"}
+    members.update({2: "n0.2", 3: "n2.2"})  # node 1 lost, its ranks on node 0's and node 2's spares
+    assert members[2] == "n0.2" and members[4] == "n2.0" and len(members) == 6
+    assert members.on_node(1) == [] and members.on_node(0) == ["n0.0", "n0.1", "n0.2"]
+    assert members.ranks_of(["n1.0", "n0.2", "n2.1", "n2.2", "n5.0"]) == [2, 3, 5]
+    copy = members.copy()
+    copy.update({0: "n2.3"})
+    assert members[0] == "n0.0" and copy[0] == "n2.3" and copy != members
+    with pytest.raises(KeyError):
+        members[6]
 
 
 def test_hsdp_replica_sets_are_the_groups_along_the_replicate_dimension():

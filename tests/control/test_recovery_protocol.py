@@ -133,7 +133,7 @@ def test_a_plan_writer_killed_after_gathering_is_replaced_by_a_newer_epoch(store
         latest = Coordinator(kv).latest_plan()
         assert latest.epoch == 2 and sorted(latest.failed) == [4, 5]
         assert all(not w.startswith(f"n{writer_node}.") for w in latest.members.values())
-        assert kv.get(keys.node_instructions(1, 0)) is None  # epoch 1 was moot, never planned
+        assert kv.get(keys.node_instructions(1, 0)) == keys.MOOT  # epoch 1 was moot, never planned
     finally:
         if child.poll() is None:
             child.kill()
@@ -217,11 +217,36 @@ def test_a_node_report_after_the_writers_deadline_fences_that_node(store):
         latest = Coordinator(kv).latest_plan()
         assert kv.get(keys.node_dead(3)) == b"agent0"  # the writer fenced it
         assert latest.epoch == 2 and sorted(latest.failed) == [6, 7]
-        assert kv.get(keys.node_instructions(1, 0)) is None  # epoch 1 was never planned with a partial view
+        assert kv.get(keys.node_instructions(1, 0)) == keys.MOOT  # epoch 1 was never planned with a partial view
         late.start()  # its agent comes back: it finds itself declared lost, and stops
         deadline = time.monotonic() + 10
         while not late.fenced and time.monotonic() < deadline:
             time.sleep(0.05)
         assert late.fenced and late.failures == []
+    finally:
+        stop(nodes)
+
+
+def test_relays_waiting_for_a_moot_epochs_instructions_move_on_at_once(store):
+    # Epoch 1's owner never writes its instructions; epoch 2's plan makes it moot. The relays
+    # look for a lost owner only every 30 s here: they must learn of epoch 2 from the mark its
+    # plan's writer leaves in their instructions keys, not by looking.
+    kv, address = store
+    nodes = start_nodes(address, 4, lease_timeout=30.0)
+    try:
+        for node in nodes.values():
+            node.channel.wait_delivered(0, 20)
+        kv.compare_set(keys.epoch_owner(1), b"", b"agent9")
+        kv.set(keys.epoch_plan(1), RecoveryPlan(1, reason="silent owner", writer="agent9").encode())
+        time.sleep(1.0)  # every relay waits for epoch 1's instructions now
+        started = time.monotonic()
+        plan = Coordinator(TorchKeyValueStore("127.0.0.1", kv.port)).report_failure(
+            ["n1.0"], "killed", detected_at=time.time(), me="agent0")
+        assert plan.epoch == 2
+        for node in nodes.values():
+            node.channel.wait_delivered(2, 20)
+        assert time.monotonic() - started < 10, "the relays waited for a look at the store, not for the mark"
+        assert all(kv.get(keys.node_instructions(1, n)) == keys.MOOT for n in range(4))
+        assert all(node.failures == [] and 1 not in node.channel.delivered for node in nodes.values())
     finally:
         stop(nodes)

@@ -26,13 +26,63 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.messages import RecoveryPlan
 from peerstate.control.planning import node_of_agent, node_of_worker
 from peerstate.errors import JobFailedError
+
+
+class Members(Mapping[int, str]):
+    """rank -> worker in an epoch: epoch 0's layout (rank r is worker ``n{r // nproc}.{r %
+    nproc}``) and the ranks replaced since. Made and folded in O(1) per plan, read in O(1)
+    per rank: every agent and every node relay holds one, and a dict of every rank each
+    (16,384 entries at 16,384 ranks, built at start) cost the 2,048 simulated nodes of
+    ``bench/scale.py`` 33 M entries. Iterating it is O(ranks); ``on_node`` and ``ranks_of``
+    are not."""
+
+    def __init__(self, world_size: int, nproc_per_node: int, replaced: Optional[Mapping[int, str]] = None) -> None:
+        self.world_size, self.nproc_per_node = world_size, nproc_per_node
+        self._replaced: Dict[int, str] = dict(replaced or {})
+
+    def __getitem__(self, rank: int) -> str:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise KeyError(rank)
+        worker = self._replaced.get(rank)
+        return worker if worker is not None else f"n{rank // self.nproc_per_node}.{rank % self.nproc_per_node}"
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.world_size))
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    def update(self, replaced: Mapping[int, str]) -> None:
+        """Fold in a plan's replaced ranks."""
+        self._replaced.update(replaced)
+
+    def copy(self) -> "Members":
+        return Members(self.world_size, self.nproc_per_node, self._replaced)
+
+    def ranks_of(self, workers: Iterable[str]) -> List[int]:
+        """The ranks ``workers`` hold (sorted)."""
+        wanted = set(workers)
+        ranks = {r for r, w in self._replaced.items() if w in wanted}
+        for worker in wanted:
+            node, _, index = worker[1:].partition(".")
+            rank = int(node) * self.nproc_per_node + int(index)
+            if int(index) < self.nproc_per_node and rank < self.world_size and rank not in self._replaced:
+                ranks.add(rank)
+        return sorted(ranks)
+
+    def on_node(self, node: int) -> List[str]:
+        """The workers of ``node`` that hold a rank."""
+        first = node * self.nproc_per_node
+        initial = [self[r] for r in range(first, min(first + self.nproc_per_node, self.world_size))
+                   if r not in self._replaced]
+        return initial + [w for w in self._replaced.values() if node_of_worker(w) == node]
 
 
 def _assignment(epoch: int, rank: int) -> bytes:
@@ -64,19 +114,21 @@ class Coordinator:
         self.new_plans()
         return self._latest
 
-    def new_plans(self, known: int = -1) -> List[RecoveryPlan]:
+    def new_plans(self, known: int = -1, upto: Optional[int] = None) -> List[RecoveryPlan]:
         """The plans written since the last call (oldest first; the newest with
         ``members`` folded in); the first call includes epoch 0's. ``known``: the plans up to that epoch are
-        known to exist (a wait on them returned), which saves a request each."""
+        known to exist (a wait on them returned), which saves a request each. ``upto``: read
+        no plan past that epoch (no request to look for a newer one)."""
         seen: List[RecoveryPlan] = []
         if self._latest is None:
             plan = self.plan(0, present=known >= 0)
             if plan is None:
                 raise JobFailedError("the job has no epoch-0 plan: the agents have not started it")
-            plan.members = self.initial_members()
+            shape = self.shape()
+            plan.members = Members(shape["world_size"], shape["nproc_per_node"])
             self._latest = plan
             seen.append(plan)
-        while True:
+        while upto is None or self._latest.epoch < upto:
             newer = self.plan(self._latest.epoch + 1, present=self._latest.epoch + 1 <= known)
             if newer is None:
                 return seen
@@ -86,6 +138,7 @@ class Coordinator:
             newer.members.update(newer.replaced)
             self._latest = newer
             seen.append(newer)
+        return seen
 
     def shape(self) -> Dict[str, int]:
         """The job's shape (``keys.CONFIG``: nnodes, nproc_per_node, world_size), read once."""
@@ -95,11 +148,6 @@ class Coordinator:
                 raise JobFailedError("the job's store holds no config: the agents have not started it")
             self._shape = json.loads(raw)
         return self._shape
-
-    def initial_members(self) -> Dict[int, str]:
-        """Epoch 0's members, from the job's shape: rank r is worker n{r // nproc}.{r % nproc}."""
-        nproc = self.shape()["nproc_per_node"]
-        return {r: f"n{r // nproc}.{r % nproc}" for r in range(self.shape()["world_size"])}
 
     def start(self, me: str) -> RecoveryPlan:
         """Write the epoch-0 plan (idempotent: every agent calls it; the first one
@@ -141,7 +189,7 @@ class Coordinator:
 
     def workers_on(self, node: int) -> List[str]:
         """The members of the newest plan that run on ``node`` (what its loss fails)."""
-        return [w for w in self.latest_plan().members.values() if node_of_worker(w) == node]
+        return self.latest_plan().members.on_node(node)
 
     def node_dead(self, node: Optional[int]) -> bool:
         return node is not None and bool(self.kv.get(keys.node_dead(node)))
@@ -165,7 +213,7 @@ class Coordinator:
         dead = set(workers)
         while True:
             current = self.latest_plan()
-            failed = sorted(r for r, w in current.members.items() if w in dead)
+            failed = current.members.ranks_of(dead)
             if not failed:
                 return None  # already replaced by an earlier plan
             epoch = current.epoch + 1
@@ -179,6 +227,7 @@ class Coordinator:
             self.kv.set(keys.epoch_plan(epoch), plan.encode())
             for rank, worker in replaced.items():
                 self.kv.set(keys.assignment(worker), _assignment(epoch, rank))
+            self._retire(epoch - 1)
             plan.members, current.members = current.members, {}  # fold it in, as new_plans does
             plan.members.update(replaced)
             self._latest = plan
@@ -199,8 +248,19 @@ class Coordinator:
         current = self.latest_plan()
         plan = RecoveryPlan(epoch, {}, {}, [], reason, time.time(), time.time(), writer, collective_timeout)
         self.kv.set(keys.epoch_plan(epoch), plan.encode())
-        plan.members = dict(current.members)
+        self._retire(seen)
+        plan.members = current.members.copy()
         return plan
+
+    def _retire(self, epoch: int) -> None:
+        """Epoch ``epoch`` is moot (the next one's plan is written): say so in every node's
+        instructions key, so that node relays waiting there for instructions that will
+        never come (their writer sees the newer epoch and stops) move on at once, instead
+        of each looking for a newer epoch every so often (at 2,048 nodes, a herd of
+        10,000 requests a second). One request; a node that read its instructions
+        already never reads them again."""
+        nnodes = self.shape()["nnodes"]
+        self.kv.set_many([(keys.node_instructions(epoch, node), keys.MOOT) for node in range(nnodes)])
 
     def wait_or_take_over(self, epoch: int, done_key: str, me: str, timeout: float, what: str,
                           newer: Optional[Callable[[], bool]] = None, poll: float = 0.25) -> bool:
@@ -235,7 +295,7 @@ class Coordinator:
         writes each one's assign key if the plan's writer died before it could."""
         plan = self.latest_plan()
         waiting = set(spares)
-        ranks = {w: r for r, w in plan.members.items() if w in waiting}
+        ranks = {w: r for w in waiting for r in plan.members.ranks_of([w])}
         for worker, rank in ranks.items():
             self.kv.compare_set(keys.assignment(worker), b"", _assignment(plan.epoch, rank))
         return ranks

@@ -98,6 +98,11 @@ def node_instructions(epoch: int, node: int) -> str:
     return f"epoch/{epoch}/node/{node}/orders"
 
 
+# The value of a node_instructions key once a newer epoch made that one moot: the writer of the
+# newer plan sets it for every node, so that a relay waiting there moves on at once.
+MOOT = b"moot"
+
+
 def member_instructions(epoch: int, node: int) -> str:
     """In the node channel: node ``node``'s instructions, which its members expand."""
     return f"epoch/{epoch}/orders/{node}"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import enum
 import functools
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Tuple
 
 Address = Tuple[str, int]
 
@@ -23,7 +23,7 @@ class RecoveryPlan:
     plan's ``replaced``, and fills it in the plans it returns."""
 
     epoch: int
-    members: Dict[int, str] = field(default_factory=dict)  # not encoded (see above)
+    members: Mapping[int, str] = field(default_factory=dict)  # not encoded (see above)
     replaced: Dict[int, str] = field(default_factory=dict)  # ranks that changed worker this epoch
     failed: List[int] = field(default_factory=list)
     reason: str = ""
@@ -35,7 +35,7 @@ class RecoveryPlan:
     collective_timeout: float = 0.0
 
     def encode(self) -> bytes:
-        data = {k: v for k, v in self.__dict__.items() if k != "members"}  # asdict would copy members first
+        data = {k: v for k, v in self.__dict__.items() if k != "members"}  # not asdict: it would copy members first
         return json.dumps(data).encode()
 
     @classmethod
@@ -61,27 +61,29 @@ class MemberReport:
     layout: "StateLayout" = None  # type: ignore[assignment] - how the job's state is placed (below)
 
     def encode(self) -> bytes:
-        data = dict(self.__dict__)  # flat but for the layout: faster than asdict
-        data["layout"] = asdict(self.layout) if self.layout is not None else None
-        return json.dumps(data).encode()
+        """A JSON array, fields in declaration order, maps as [key, value] pairs: the plan
+        writer decodes every member's report of a recovery (16,384 at 16,384 ranks), and
+        an array of numbers parses in about half the time of an object with named fields."""
+        layout = self.layout
+        return json.dumps([self.rank, self.worker, self.local, list(self.replicas.items()), self.address,
+                           self.needs_state, self.pid, list(self.shared_regions.items()), self.checkpoint,
+                           None if layout is None else [layout.k, layout.share_count, layout.data_parallel,
+                                                        layout.replica_mesh, layout.replica_dim]]).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "MemberReport":
-        return cls.from_dict(json.loads(raw))
+        return cls.from_list(json.loads(raw))
 
     @classmethod
-    def from_dict(cls, data: dict) -> "MemberReport":
-        """From a decoded ``encode()``, which it takes over (the plan writer decodes
-        every member's report of a recovery: no copies, no per-field checks)."""
-        data["replicas"] = {int(s): v for s, v in data["replicas"].items()}
-        data["shared_regions"] = {int(v): a for v, a in data.get("shared_regions", {}).items()}
-        data["address"] = tuple(data["address"])
-        data["checkpoint"] = tuple(data["checkpoint"]) if data.get("checkpoint") else None
-        layout = data.get("layout")
-        data["layout"] = _layout(layout["k"], layout["share_count"], layout["data_parallel"],
-                                 tuple(layout["replica_mesh"]), layout["replica_dim"]) if layout else None
+    def from_list(cls, data: list) -> "MemberReport":
+        """From a decoded ``encode()`` (no copies, no per-field checks)."""
+        rank, worker, local, replicas, address, needs_state, pid, regions, checkpoint, layout = data
         report = cls.__new__(cls)
-        report.__dict__.update(data)
+        report.__dict__.update(
+            rank=rank, worker=worker, local=local, replicas=dict(replicas), address=tuple(address),
+            needs_state=needs_state, pid=pid, shared_regions=dict(regions),
+            checkpoint=tuple(checkpoint) if checkpoint else None,
+            layout=_layout(layout[0], layout[1], layout[2], tuple(layout[3]), layout[4]) if layout else None)
         return report
 
 
@@ -127,7 +129,7 @@ class NodeReport:
     @classmethod
     def decode(cls, raw: bytes) -> "NodeReport":
         data = json.loads(raw)
-        return cls(data["node"], [MemberReport.from_dict(m) for m in data["members"]])
+        return cls(data["node"], [MemberReport.from_list(m) for m in data["members"]])
 
 
 class RestoreSource(enum.Enum):

@@ -34,10 +34,6 @@ from peerstate.control.planning import node_of_worker
 from peerstate.errors import JobFailedError, StoreUnavailableError
 
 POLL_SECONDS = 0.25  # how often a wait on the node's members looks for a newer epoch
-# How often a node waiting for its instructions looks for a newer epoch or a lost owner: an
-# owner is declared lost a lease timeout (seconds) after it stops, so looking more often buys
-# nothing and costs every node requests while a large job's instructions are computed.
-TAKEOVER_POLL_SECONDS = 1.0
 
 
 class NodeRelay:
@@ -48,12 +44,17 @@ class NodeRelay:
     the node's members may take to report (then ``on_failure`` is told which did
     not, and the relay moves on to the next epoch, which that failure starts).
     ``on_fenced()``: this node was declared lost while its agent lives (checked
-    once per epoch); the relay stops.
+    once per epoch); the relay stops. ``takeover_poll``: how often a node waiting
+    for its instructions looks for an owner lost without a newer epoch (its node
+    had no member left), which only this node can then take over: the lease
+    timeout, since a lost node is declared a lease timeout after it stops. A newer
+    epoch needs no looking: its plan's writer marks this one moot in every node's
+    instructions key (``Coordinator._retire``).
     """
 
     def __init__(self, kv: KeyValueStore, channel: KeyValueStore, coordinator: Coordinator, writer: InstructionWriter,
                  node: int, me: str, report_timeout: float, on_failure: Callable[[str], None],
-                 on_fenced: Callable[[], None]) -> None:
+                 on_fenced: Callable[[], None], takeover_poll: float) -> None:
         self._kv = kv
         self._channel = channel
         self._coordinator = coordinator
@@ -63,6 +64,7 @@ class NodeRelay:
         self.report_timeout = report_timeout
         self._on_failure = on_failure
         self._on_fenced = on_fenced
+        self.takeover_poll = takeover_poll
         self._mirrored = -1  # the newest plan copied into the channel
         self._stopping = threading.Event()  # run()'s stop
         self._local: Optional[Dict[int, str]] = None  # rank -> worker of this node's members, as of the last plan
@@ -92,7 +94,9 @@ class NodeRelay:
             self._kv.wait([keys.epoch_plan(self._mirrored + 1)], timeout=1.0)
         except TimeoutError:
             return None
-        plans = self._coordinator.new_plans(known=self._mirrored + 1)
+        # Not past the plan waited for: a newer one, if any, is the next wait's (and it marks this one
+        # moot, which ends this epoch's wait for instructions at once). One request fewer per node.
+        plans = self._coordinator.new_plans(known=self._mirrored + 1, upto=self._mirrored + 1)
         if not plans:
             return None
         if self._local is None:
@@ -141,13 +145,14 @@ class NodeRelay:
             return bool(moot)
 
         while self._coordinator.wait_or_take_over(epoch, key, self._me, self.report_timeout * 2,
-                                                  "restore instructions", newer=newer, poll=TAKEOVER_POLL_SECONDS):
+                                                  "restore instructions", newer=newer, poll=self.takeover_poll):
             if not self._writer.write(plan, newer):  # the owner's node was lost: the epoch is ours now
                 return False
-        if moot:
+        orders = None if moot else self._kv.get_existing([key])[0]
+        if orders is None or orders == keys.MOOT:
             return False
         # Handed over as read: each member expands its own part (planning.expand) in its own process.
-        self._channel.set_many([(keys.member_instructions(epoch, self.node), self._kv.get_existing([key])[0])])
+        self._channel.set_many([(keys.member_instructions(epoch, self.node), orders)])
         return True
 
     def _gather(self, epoch: int, ranks: List[int]) -> Optional[List[bytes]]:

@@ -183,7 +183,7 @@ class Agent:
         writer = InstructionWriter(kv, coordinator, self.name, self.events, self.config.join_timeout * WRITER_MARGIN,
                                    self._fence)
         self.relay = NodeRelay(kv, self.channel.clone(), coordinator, writer, self.node, self.name,
-                               self.config.join_timeout, self._fail, self._fenced)
+                               self.config.join_timeout, self._fail, self._fenced, self.config.lease_timeout)
         self._relay_stop = threading.Event()
         self._relay_thread = threading.Thread(target=self.relay.run, args=(self._relay_stop,), name="peerstate-relay",
                                               daemon=True)

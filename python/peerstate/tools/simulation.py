@@ -127,7 +127,7 @@ class SimulatedNode:
         self.writer = InstructionWriter(self.relay_kv, relay_coordinator, self.name, None,
                                         report_timeout * WRITER_MARGIN, self.fence)
         self.relay = NodeRelay(self.relay_kv, self.channel, relay_coordinator, self.writer, node, self.name,
-                               report_timeout, self.failures.append, self._on_fenced)
+                               report_timeout, self.failures.append, self._on_fenced, lease_timeout)
         self.leases = LeaseWatch(self.kv, self.coordinator, node, nnodes, lease_timeout, self.name)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
