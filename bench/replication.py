@@ -42,8 +42,9 @@ from peerstate import _C
 MiB = 1 << 20
 
 
-def plain_tcp_GBps(payload: memoryview, connections: int, repeats: int) -> float:
-    """Best rate of moving `payload` over `connections` loopback TCP streams."""
+def plain_tcp_GBps(payload: memoryview, connections: int, repeats: int) -> tuple:
+    """Best rate of moving `payload` over `connections` loopback TCP streams, and the
+    CPU-seconds per GB (both ends, every thread of this process) of that best round."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(connections)
@@ -65,16 +66,30 @@ def plain_tcp_GBps(payload: memoryview, connections: int, repeats: int) -> float
                     view = view[n:]
 
             threads = [threading.Thread(target=f, args=(i,)) for i in range(connections) for f in (send, receive)]
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
-            best = min(best, time.perf_counter() - start)
+            if time.perf_counter() - start < best:
+                best, best_cpu = time.perf_counter() - start, time.process_time() - cpu
     finally:
         for s in senders + receivers + [listener]:
             s.close()
-    return len(payload) / best / 1e9
+    return len(payload) / best / 1e9, best_cpu / (len(payload) / 1e9)
+
+
+def ceiling(protection: str, plain_GBps: float, plain_cpu_per_GB: float, tag_GBps: dict) -> float:
+    """The most a protected transfer can reach against plain TCP when both ends share this
+    machine's cores and plain TCP already keeps them busy: each GB costs plain TCP's CPU
+    plus the protection's pass over the payload at both ends (one core's rate, measured in
+    the same run), nothing else counted (our checksums and bookkeeping make the true
+    ceiling lower). 1.0 for no protection."""
+    if protection not in tag_GBps:
+        return 1.0
+    cores = _C.available_cores()
+    best_GBps = cores / (plain_cpu_per_GB + 2 / tag_GBps[protection])
+    return min(1.0, best_GBps / plain_GBps)
 
 
 class Rank:
@@ -94,7 +109,7 @@ class Rank:
         self.store.close()
 
 
-def run(size_mib: int, repeats: int, protection: str) -> list:
+def run(size_mib: int, repeats: int, protection: str, tag_GBps: dict) -> list:
     nbytes = size_mib * MiB
     secret = secrets.token_bytes(32)
     with warnings.catch_warnings():
@@ -120,9 +135,11 @@ def run(size_mib: int, repeats: int, protection: str) -> list:
                 ranks[0].repl.wait(version)
                 if version > 1:  # the first round also opens the connections
                     push = min(push, time.perf_counter() - start)
-            limit = plain_tcp_GBps(memoryview(ranks[0].tensor.numpy()), connections, repeats)
+            limit, limit_cpu = plain_tcp_GBps(memoryview(ranks[0].tensor.numpy()), connections, repeats)
+            most = ceiling(protection, limit, limit_cpu, tag_GBps)
             rows.append(dict(case=f"push {size_mib}MiB x{connections} conn", protection=protection,
-                             ours_GBps=nbytes / push / 1e9, limit_GBps=limit, ratio=nbytes / push / 1e9 / limit))
+                             ours_GBps=nbytes / push / 1e9, limit_GBps=limit, ratio=nbytes / push / 1e9 / limit,
+                             limit_cpu_s_per_GB=limit_cpu, ceiling=most))
             if connections == 4:
                 ranks[0].store.snapshot(repeats + 2).wait()
                 ranks[0].repl.replicate(repeats + 2)
@@ -149,7 +166,8 @@ def run(size_mib: int, repeats: int, protection: str) -> list:
                     for what, seconds in (("pull", best_pull), ("recover", best_recover)):
                         rows.append(dict(case=f"{what} {size_mib}MiB from {len(sources)} x{connections} conn",
                                          protection=protection, ours_GBps=nbytes / seconds / 1e9, limit_GBps=limit,
-                                         ratio=nbytes / seconds / 1e9 / limit))
+                                         ratio=nbytes / seconds / 1e9 / limit, limit_cpu_s_per_GB=limit_cpu,
+                                         ceiling=most))
         finally:
             for r in ranks:
                 r.close()
@@ -168,20 +186,27 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replication.json"))
     args = parser.parse_args(argv)
     sizes = args.sizes or ([256] if args.quick else [256, 1024])
-    rows = [row for size in sizes for protection in args.protections for row in run(size, args.repeats, protection)]
+    # One core's rate of each protection's pass over a payload, by the library the transport uses.
+    tag_GBps = {p: _C.frame_protection_throughput(p) / 1e9 for p in args.protections if p != "trusted-fabric"}
+    print("one core: " + ", ".join(f"{p} {rate:.2f} GB/s" for p, rate in tag_GBps.items()), flush=True)
+    rows = [row for size in sizes for protection in args.protections
+            for row in run(size, args.repeats, protection, tag_GBps)]
     # Each protection beside trusted-fabric (no per-frame protection), same case, same run.
     bare = {r["case"]: r["ours_GBps"] for r in rows if r["protection"] == "trusted-fabric"}
     for r in rows:
         r["vs_trusted_fabric"] = r["ours_GBps"] / bare[r["case"]] if r["case"] in bare else None
-    print(f"{'case':<34}{'protection':>16}{'ours GB/s':>11}{'plain TCP GB/s':>16}{'ratio':>8}{'vs bare':>9}")
+    print(f"{'case':<34}{'protection':>16}{'ours GB/s':>11}{'plain TCP GB/s':>16}{'ratio':>8}{'ceiling':>9}"
+          f"{'vs bare':>9}")
     for r in rows:
         versus = f"{r['vs_trusted_fabric']:>9.2f}" if r["vs_trusted_fabric"] is not None else f"{'-':>9}"
         print(f"{r['case']:<34}{r['protection']:>16}{r['ours_GBps']:>11.2f}{r['limit_GBps']:>16.2f}"
-              f"{r['ratio']:>8.2f}{versus}")
+              f"{r['ratio']:>8.2f}{r['ceiling']:>9.2f}{versus}")
+    print("ceiling: the most that protection can reach against plain TCP here, from plain TCP's own CPU per GB and "
+          "the protection's pass over the payload at both ends (see ceiling())")
     result = dict(benchmark="replication",
                   command="python " + " ".join(["bench/replication.py", *(argv if argv is not None else sys.argv[1:])]),
                   machine=dict(cores=_C.available_cores(), cpu=platform.processor() or platform.machine()),
-                  repeats=args.repeats, rows=rows)
+                  repeats=args.repeats, one_core_protection_GBps=tag_GBps, rows=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
