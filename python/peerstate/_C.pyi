@@ -228,6 +228,9 @@ def hmac_sha256(key: bytes, data: bytes) -> bytes:
     """HMAC-SHA256 by the system's libcrypto (UnavailableError without one)."""
 def crypto_library() -> str:
     """Where libcrypto was found ("already loaded" or a path); UnavailableError says why not."""
+def frame_protection_throughput(protection: str, nbytes: int = ..., repeats: int = 5) -> float:
+    """One core's bytes per second (best of `repeats`) of a frame protection's pass over `nbytes`
+    ("authenticated": the AES-256-GCM tag; "encrypted": encryption too), for benchmarks."""
 def nccl_load() -> Dict[str, Any]:
     """Find libnccl at run time: {version, version_code, origin}; UnavailableError says why not."""
 def nccl_unique_id() -> bytes: ...

@@ -28,6 +28,14 @@ def test_native_hmac_matches_python():
         "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843")
 
 
+def test_the_frame_protections_pass_is_measured_through_the_transports_libcrypto():
+    # What bench/replication.py's ceiling is made of: a rate, never zero, and a clear error.
+    assert _C.frame_protection_throughput("authenticated", 1 << 20, 1) > 0
+    assert _C.frame_protection_throughput("encrypted", 1 << 20, 1) > 0
+    with pytest.raises(peerstate.InvalidArgumentError, match="'authenticated' or 'encrypted'"):
+        _C.frame_protection_throughput("trusted-fabric", 1 << 20, 1)
+
+
 def test_short_secret_and_wildcard_address_must_be_explicit():
     replicas = _C.ReplicaStore()
     with pytest.raises(peerstate.InvalidArgumentError, match="at least 16 bytes"):
