@@ -100,3 +100,25 @@ def test_one_plan_per_epoch_over_either_store(kv):
     assert made and {p.epoch for p in made} == {1} and len({p.replaced[2] for p in made}) == 1
     latest = coordinator.latest_plan()
     assert latest.epoch == 1 and latest.members[2] == made[0].replaced[2]
+
+
+def test_reading_a_missing_key_wakes_no_one_waiting_for_it(kv):
+    # TCPStore's libuv server wakes every client waiting for a key when anyone compare_sets
+    # that key while it is missing (they then take it as set): a read must never do that.
+    waiter, outcome = kv.clone(), {}
+
+    def wait():
+        try:
+            waiter.wait(["plan"], timeout=1.5)
+            outcome["woke"] = kv.get("plan")
+        except TimeoutError:
+            outcome["timed out"] = True
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    for _ in range(5):
+        assert kv.get("plan") is None and kv.get_many(["plan"]) == [None]
+    thread.join(5)
+    assert outcome == {"timed out": True}
+    kv.set("plan", b"p")
+    assert kv.get_existing(["plan"]) == [b"p"] and kv.get("plan") == b"p"

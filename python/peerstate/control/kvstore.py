@@ -103,6 +103,10 @@ class RequestCount:
         self.bytes_received += sum(len(v) for v in values)
 
 
+# What TorchKeyValueStore._read() compares a key with: no value the control plane writes is this.
+_ABSENT = b"\x00peerstate: no such key\x00"
+
+
 class TorchKeyValueStore(KeyValueStore):
     """Over ``torch.distributed.TCPStore``. ``host_store=True`` makes this process the
     server, listening on ``host`` only (``port`` 0 picks a free one; see ``.port``):
@@ -136,12 +140,22 @@ class TorchKeyValueStore(KeyValueStore):
             self.torch_store.multi_set([k for k, _ in items], [v for _, v in items])
 
     def get(self, key: str) -> Optional[bytes]:
-        # check() first: TCPStore.get() would block on a missing key.
+        # check() first: TCPStore.get() would wait for a missing key. Then the value in one
+        # round trip (see _read), where TCPStore.get() takes two (a wait and a get).
         self.count.sent(1, key)
         if not self.torch_store.check([key]):
             return None
+        return self._read(key)
+
+    def _read(self, key: str) -> Optional[bytes]:
+        """An existing key's value in one round trip: a compare_set whose expected value no
+        key holds changes nothing and answers the value. Only for a key known to exist: for
+        a missing one TCPStore answers the expected value, and its libuv server also wakes
+        every client waiting for that key, who would take it as set. None if it is missing."""
         self.count.sent(1, key)
-        value = self.torch_store.get(key)
+        value = self.torch_store.compare_set(key, _ABSENT, b"")
+        if value == _ABSENT:
+            return None
         self.count.received([value])
         return value
 
@@ -167,6 +181,10 @@ class TorchKeyValueStore(KeyValueStore):
 
     def get_existing(self, keys: Sequence[str]) -> List[bytes]:
         keys = list(keys)
+        if len(keys) == 1:  # one round trip (_read); multi_get is a wait and a get
+            value = self._read(keys[0])
+            if value is not None:
+                return [value]
         self.count.sent(1, *keys)
         values = list(self.torch_store.multi_get(keys))
         self.count.received(values)
