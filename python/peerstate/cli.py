@@ -121,7 +121,8 @@ def parser() -> argparse.ArgumentParser:
                           "node (created if absent on a one-node job). A one-node job without either makes one")
     run.add_argument("--inject", action="append", default=[], metavar="SPEC",
                      help="inject a fault, e.g. kill:rank=2:step=10, hang:rank=1:time=30, "
-                          "kill-node:node=1:step=20, random:mtbf=20:seed=7:max=3 (repeatable)")
+                          "kill-node:node=1:step=20, kill-spare:node=0:time=12, random:mtbf=20:seed=7:max=3 "
+                          "(repeatable; peerstate.launcher.inject lists the kinds)")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(handler=_run)

@@ -276,7 +276,8 @@ def test_a_loop_that_cannot_leave_its_call_gives_its_rank_to_a_spare(run, refere
     assert [p["failed"] for p in job.events("plan")] == [[3], [0]]
     [missed] = job.events("abort_deadline_missed")
     assert missed["rank"] == 0 and missed["epoch"] == 1
-    assert [e["code"] for e in job.events("process_exited") if e["rank"] == 0 and e["code"] != 0] == [ABORT_DEADLINE_EXIT_CODE]
+    exits = [e["code"] for e in job.events("process_exited") if e["rank"] == 0 and e["code"] != 0]
+    assert exits == [ABORT_DEADLINE_EXIT_CODE]
 
 
 @pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
@@ -306,21 +307,36 @@ def test_rank_and_its_only_buddy_lost_stops_the_job_cleanly(run):
     assert "cannot go on" in summary
 
 
-@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
-def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, reference, tmp_path, data_parallel):
+@pytest.mark.parametrize("killed, data_parallel", [([0, 2], True), ([0, 1, 2, 3], False)],
+                         ids=["data-parallel", "every-rank"])
+def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, reference, tmp_path, killed,
+                                                                        data_parallel):
+    # "every-rank": no survivor is left to publish the DDP bucket layouts either; the
+    # replacements take them from the checkpoint (they waited for them until join_timeout).
     checkpoints = tmp_path / "checkpoints"
-    job = run(nodes=[(2, 2), (2, 0)], script_args=["--data-parallel"] if data_parallel else [],
+    job = run(nodes=[(2, 2), (2, len(killed) - 2)], script_args=["--data-parallel"] if data_parallel else [],
               agent_args=FAST + ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "5"])
-    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for(lambda: len(job.events("spare_ready")) >= len(killed), "the spares")
     job.wait_for_step(2, 12)
-    job.kill_rank(0)
-    job.kill_rank(2)
+    for rank in killed:
+        job.kill_rank(rank)
     assert job.wait() == [0, 0], job.describe()
     assert_bitwise(job, reference)
     [fallback] = {e["step"]: e for e in job.events("checkpoint_fallback")}.values()
-    assert fallback["step"] % 5 == 0 and "ranks 0 and 2 lost" in fallback["message"]
+    assert fallback["step"] % 5 == 0 and f"ranks {' and '.join(map(str, killed))} lost" in fallback["message"]
     if data_parallel:  # ranks 0 and 2 were the two holders of data-parallel share 0
         assert "data-parallel share 0 has no surviving copy" in fallback["message"], fallback
+
+
+def test_a_rank_that_dies_of_an_exception_in_its_loop_is_recovered(run, reference):
+    # Job.close() (atexit, after the exception) used to mark its progress counter finished,
+    # and the agent then took the death for one after the last step: not recovered.
+    job = run(script_args=["--raise-at", "1:8"])
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    [recovery] = recoveries(job)
+    assert recovery["failed"] == [1] and "exited with code 1" in recovery["reason"], recovery
+    assert "was told to fail in step 8" in (job.logs / "n0.1.log").read_text()
 
 
 def test_a_new_job_resumes_from_the_newest_checkpoint_of_the_same_directory(run, reference, tmp_path):

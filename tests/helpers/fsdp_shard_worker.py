@@ -2,7 +2,6 @@
 training state and checks that what peerstate snapshots and restores is its own shard."""
 
 import json
-import os
 import sys
 
 import torch

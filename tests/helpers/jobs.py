@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from peerstate.tools.local import LocalJob
+from peerstate.tools.local import LocalJob, processes_with_env
 
 TRAIN_SCRIPT = Path(__file__).with_name("train_job.py")
 STEPS = 40  # of the recovery tests' jobs and their fault-free reference (tests/e2e/conftest.py)
@@ -49,8 +49,7 @@ class Job(LocalJob):
 
     def pid_of(self, rank):
         """The live process that holds ``rank`` now."""
-        pids = [int(p) for p in re.findall(rf"^rank {rank} pid (\d+)", self.text(), re.M)]
-        live = [p for p in pids if _alive(p)]
+        live = self.rank_pids().get(rank)
         assert live, f"no live process holds rank {rank}:\n{self.describe()}"
         return live[-1]
 
@@ -58,7 +57,7 @@ class Job(LocalJob):
         """Pids of the spares waiting now (from the event log and /proc)."""
         ready = {e["source"] for e in self.events("spare_ready")}
         assigned = {e["source"] for e in self.events("spare_assigned")}
-        return [pid for worker in ready - assigned for pid in _pids_with_env("PEERSTATE_WORKER", worker)]
+        return [pid for worker in ready - assigned for pid in processes_with_env("PEERSTATE_WORKER", worker)]
 
     def _fault(self, what):
         line = json.dumps({"time": time.time(), "event": "fault_injected", "source": "test", "fault": what})
@@ -104,7 +103,7 @@ class Job(LocalJob):
         super().close()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            stragglers = _pids_with_env("PEERSTATE_EVENTS", str(self.logs / "events.jsonl"))
+            stragglers = self.leftover_processes()
             if not stragglers:
                 return
             for pid in stragglers:
@@ -115,26 +114,3 @@ class Job(LocalJob):
                     pass
             time.sleep(0.1)
         raise AssertionError(f"processes of this job survived it: {stragglers}")
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] not in "ZX"
-    except OSError:
-        return False
-
-
-def _pids_with_env(name, value):
-    wanted = f"{name}={value}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if wanted in f.read().split(b"\0") and _alive(int(entry)):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found

@@ -14,6 +14,8 @@ def test_specs_parse():
     assert (hang.kind, hang.rank, hang.time) == ("hang", 1, 2.5)
     [node] = parse("kill-node:node=1:step=20", world_size=4, nnodes=2)
     assert (node.kind, node.node) == ("kill-node", 1)
+    [spare] = parse("kill-spare:node=0:time=12", world_size=4, nnodes=2)
+    assert (spare.kind, spare.node, spare.time) == ("kill-spare", 0, 12.0)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -40,6 +42,36 @@ def test_random_schedule_is_reproducible_and_bounded():
     assert [f.time for f in a] != [f.time for f in c]
     assert len(a) == 5 and all(x.time < y.time for x, y in zip(a, a[1:]))
     assert all((f.node is not None) == (f.kind == "kill-node") for f in a)
+    assert sum(f.kind == "kill-node" for f in a) <= 1  # of 2 nodes, one can be killed: the job needs the other
+
+
+def test_random_sequences_land_as_two_faults_of_one_scenario_on_the_right_victims():
+    # 2 nodes of 2: rank r's buddy is the rank with its local index on the other node
+    buddy = {0: 2, 1: 3, 2: 0, 3: 1}
+    for kind in ("kill-in-recovery", "hang-then-kill-buddy", "kill-with-buddy"):
+        faults = parse(f"random:mtbf=5:seed=3:max=6:kinds={kind}", world_size=4, nnodes=2)
+        assert len(faults) == 12 and [f.scenario for f in faults] == [i // 2 for i in range(12)]
+        for first, second in zip(faults[::2], faults[1::2]):
+            assert first.scenario_kind == second.scenario_kind == kind
+            delay = second.time - first.time
+            if kind == "kill-in-recovery":
+                assert (first.kind, second.kind) == ("kill", "kill") and first.rank != second.rank
+                assert 0.05 <= delay <= 0.3
+            elif kind == "hang-then-kill-buddy":
+                assert (first.kind, second.kind) == ("hang", "kill") and second.rank == buddy[first.rank]
+                assert 0.2 <= delay <= 0.6
+            else:
+                assert (first.kind, second.kind) == ("kill", "kill") and second.rank == buddy[first.rank]
+                assert delay == 0
+
+
+def test_a_spare_kill_waits_for_a_ready_spare_and_scenarios_are_numbered_across_specs():
+    injector = FaultInjector(["kill-spare:node=0:time=1", "random:mtbf=1:seed=1:max=2:kinds=kill-with-buddy"],
+                             world_size=4, nnodes=2, node=0)
+    assert [f.scenario for f in injector.faults] == [0, 1, 1, 2, 2]
+    assert injector.due({}, 5.0, spares_waiting=0) == []  # no spare ready yet: it waits for one
+    [due] = injector.due({}, 5.0, spares_waiting=1)
+    assert (due.kind, due.node) == ("kill-spare", 0)
 
 
 def test_faults_fall_due_once_on_the_node_that_runs_the_rank():

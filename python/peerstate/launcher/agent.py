@@ -294,19 +294,22 @@ class Agent:
             raw = self.kv.get(keys.JOB_STARTED)
             self._job_started = float(raw) if raw else None
         since = time.time() - self._job_started if self._job_started else None
-        for fault in self.injector.due({r: p.counter.read()[1] for r, p in workers.items()}, since):
+        spares = [p for p in self.processes.values() if p.rank is None and not p.claimed and p.ready]
+        for fault in self.injector.due({r: p.counter.read()[1] for r, p in workers.items()}, since, len(spares)):
             if self.kv.compare_set(keys.injected(fault.index), b"", self.name.encode()) != self.name.encode():
                 continue  # injected already, on the node that held the rank then
-            self._fault(fault, workers.get(fault.rank))
+            self._fault(fault, spares[0] if fault.kind == "kill-spare" else workers.get(fault.rank))
 
     def _fault(self, fault: Fault, victim: Optional[WorkerProcess]) -> None:
-        self.events.write("fault_injected", fault=fault.describe(), rank=fault.rank, node=fault.node)
+        self.events.write("fault_injected", fault=fault.describe(), kind=fault.kind, rank=fault.rank, node=fault.node,
+                          scenario=fault.scenario, scenario_kind=fault.scenario_kind,
+                          worker=victim.worker if victim is not None else None)
         print(f"peerstate: injecting {fault.describe()}", file=sys.stderr, flush=True)
         if fault.kind == "kill-node":  # everything this agent runs, then the agent itself
             for process in self.processes.values():
                 os.killpg(process.popen.pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
-        os.killpg(victim.popen.pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+        os.killpg(victim.popen.pid, signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
 
     def _live_workers(self) -> List[WorkerProcess]:
         return [p for p in self.processes.values() if p.rank is not None and p.popen.poll() is None]
@@ -409,6 +412,7 @@ class Agent:
         states = self.kv.get_many([keys.spare_state(w) for w in waiting])
         for process, state in zip(waiting.values(), states):
             process.claimed = bool(state and state.startswith(b"assigned:"))
+            process.ready = state == b"ready"
             if state:
                 self._spare_start_failures = 0  # a spare of this script can get ready: the earlier ones were bad luck
         claimed = [w for w, p in waiting.items() if p.claimed]

@@ -30,6 +30,7 @@ class WorkerProcess:
         self.ticked = False                # it reached peerstate.Job()
         self.hung = False
         self.claimed = False               # a spare a planner claimed, not yet named by a plan
+        self.ready = False                 # a spare in the pool (its script reached track())
         self.exit_watch = ExitWatch(popen.pid)
 
 

@@ -88,6 +88,19 @@ class LocalJob:
             time.sleep(0.1)
         return [a.returncode for a in self.agents]
 
+    def rank_pids(self) -> Dict[int, List[int]]:
+        """rank -> the live processes that held it, oldest first (from the scripts'
+        ``rank R pid P`` lines: the one that holds it now is the last)."""
+        held: Dict[int, List[int]] = {}
+        for rank, pid in re.findall(r"^rank (\d+) pid (\d+)", self.text(), re.M):
+            if alive(int(pid)):
+                held.setdefault(int(rank), []).append(int(pid))
+        return held
+
+    def leftover_processes(self) -> List[int]:
+        """Processes of this job still running (they carry its event log in their environment)."""
+        return processes_with_env("PEERSTATE_EVENTS", str(self.logs / "events.jsonl"))
+
     def kill_node(self, index: int) -> None:
         os.killpg(self.agents[index].pid, signal.SIGKILL)
 
@@ -112,6 +125,43 @@ def wait_until(predicate: Callable[[], object], what: str, timeout: float,
             raise RuntimeError(f"the job ended while waiting for {what}")
         time.sleep(interval)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (not a zombie, not gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] not in "ZX"
+    except OSError:
+        return False
+
+
+def processes_with_env(name: str, value: str) -> List[int]:
+    """The live processes whose environment has ``name=value``."""
+    wanted = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if wanted in f.read().split(b"\0") and alive(int(entry)):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def resident_bytes(pid: int) -> Optional[int]:
+    """The resident memory of ``pid`` (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def free_port() -> int:

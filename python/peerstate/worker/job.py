@@ -437,8 +437,6 @@ class Job:
         if self.membership.state is MemberState.CLOSED:
             return
         self.membership.move(MemberState.CLOSED)
-        if self.progress:
-            self.progress.finish()  # shutting down takes a while: not a hang
         if self.watcher is not None:
             self.watcher.stop()
         if self.replication is not None:

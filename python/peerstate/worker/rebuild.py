@@ -112,10 +112,12 @@ class DistributedWrappers:
              timeout: float) -> RebuildableDDP:
         """A new DDP of ``model``. A replacement skips DDP's initial broadcast (its
         state arrives from the buddies) and takes the layout the survivors published;
-        in a job that resumed from a disk checkpoint, the layout comes from there."""
+        where the state came from a disk checkpoint (a job that resumed from one, or a
+        replacement that fell back to one, perhaps with no survivor left to publish),
+        the layout comes from there."""
         index = len(self.ddps)
         layout = self.saved_layouts[index] if index < len(self.saved_layouts) else None
-        if replacement:
+        if replacement and layout is None:
             key = keys.ddp_layout(epoch, len(self.ddps))
             self._kv.wait([key], timeout=timeout)
             layout = json.loads(self._kv.get(key))

@@ -1,0 +1,336 @@
+"""Soak: recovery under a stream of faults of every kind, and what survives it.
+
+A CPU job of the demo's GPT (``bench/soak_job.py``: 4 workers on 2 simulated
+nodes with 2 hot spares each, refilled; DDP, its state in data-parallel
+shares; a disk checkpoint every ``--checkpoint-every`` steps; the store a
+3-member etcd on loopback, so that either node can be lost) runs in rounds
+until ``--faults`` faults have landed. A round is one ``peerstate run`` job on
+the same ``--checkpoint-dir``, so it goes on where the last one stopped (a lost
+node does not come back within a job, so a round loses at most one); its
+faults are ``--inject random:...`` over every kind (a worker killed, a hang, a
+node killed, a spare killed, a kill inside a recovery, a hang then a kill of
+its buddy, a rank and its buddy killed at once), drawn from ``--seed`` and the
+round's number. Then a fault-free run of the same steps is compared bit for
+bit with the last round's final parameters.
+
+Reported, per fault (a sequence of two counts as one):
+- recovered, fallen back to the disk checkpoint, or lost. A fallback is
+  expected where the recovery lost every copy of some state (a rank and its
+  buddy, by this fault or one that landed on top of it); anywhere else it is
+  a finding (``unexpected``). Where one of the pair was hung rather than gone,
+  it is listed apart: its memory still held the copy, but a hung worker is
+  not a source yet (its agent kills it first; issue #20), which the soak
+  reports and does not fail on;
+- from its first fault to the first step after the recovery that ended it:
+  p50, p99, max, and every one over 2 s and over 5 s with its slowest phase
+  and its plan's reason;
+- recoveries no injected fault explains (a node declared lost that was not);
+- each worker's resident memory after each recovery, and its growth over its
+  life (a leak grows);
+- processes left behind after each round; the final parameters against the
+  fault-free run's.
+
+Measured: all of it, on this machine's 2 cores. Each step sleeps up to
+``--step-seconds`` (0.1 s), standing in for compute, so that a round's length
+is known in steps; the reference runs unpaced (the pacing changes no value).
+
+    python bench/soak.py              # >= 100 faults, about 15 minutes; bench/results/soak.json
+    python bench/soak.py --quick      # >= 10 faults in one round (tests/e2e/test_soak.py runs it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+JOB = HERE / "soak_job.py"
+RESULTS = HERE / "results" / "soak.json"
+KINDS = "kill,hang,kill-node,kill-spare,kill-in-recovery,hang-then-kill-buddy,kill-with-buddy"
+NODES = [(2, 2), (2, 2)]  # (workers, spares) per simulated node
+WORLD = sum(workers for workers, _ in NODES)
+# Detection in about a second: what a recovery is measured from is the fault itself.
+AGENT_FLAGS = ["--lease-timeout", "1.0", "--hang-timeout", "1.0", "--spare-timeout", "30", "--join-timeout", "60"]
+
+
+def buddies() -> Dict[int, int]:
+    """rank -> its buddy (k=1), as every process of the job places it."""
+    from peerstate.replication.placement import BuddyPlacement
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        placement = BuddyPlacement([n for n, (workers, _) in enumerate(NODES) for _ in range(workers)], k=1)
+    return {rank: placement.holders(rank)[0] for rank in range(WORLD)}
+
+
+def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
+    """One job of ``total_steps`` (resuming after the newest checkpoint) with its faults;
+    returns what happened, from its event log and the machine."""
+    from peerstate.tools.local import LocalJob, resident_bytes
+
+    spec = f"random:mtbf={args.mtbf}:seed={args.seed * 1000 + index}:max={args.per_round}:kinds={KINDS}"
+    job = LocalJob(workdir / f"round{index}", NODES,
+                   [str(JOB), "--steps", str(total_steps), "--out", str(workdir / "final.pt"),
+                    "--step-seconds", str(args.step_seconds)],
+                   agent_args=[*AGENT_FLAGS, "--job-id", f"soak-{args.seed}-{index}", "--checkpoint-dir",
+                               str(workdir / "checkpoints"), "--checkpoint-every", str(args.checkpoint_every),
+                               "--inject", spec], store=etcd.url)
+    memory: Dict[int, List[int]] = {}  # pid -> its resident bytes after each recovery
+    seen = 0
+    try:
+        deadline = time.monotonic() + args.round_timeout
+        while any(agent.poll() is None for agent in job.agents) and time.monotonic() < deadline:
+            recoveries = len(job.events("recovery"))
+            if recoveries > seen:  # a recovery just ended: how much does each worker hold now?
+                seen = recoveries
+                for pid in [pids[-1] for pids in job.rank_pids().values()]:
+                    rss = resident_bytes(pid)
+                    if rss:
+                        memory.setdefault(pid, []).append(rss)
+            time.sleep(0.2)
+        codes = [agent.poll() for agent in job.agents]
+    finally:
+        job.close()
+    time.sleep(0.5)  # workers die with their agent (PR_SET_PDEATHSIG): give the kernel a moment
+    leftover = job.leftover_processes()
+    events = job.events()
+    return {"round": index, "spec": spec, "steps": total_steps, "codes": codes, "leftover": leftover,
+            "memory": {str(pid): samples for pid, samples in memory.items()},
+            "faults": analyse(events, buddies()),
+            "unexplained": unexplained(events), "log": str(job.dir),
+            "failure": next((e.get("reason") for e in events if e["event"] == "job_failed"), None)}
+
+
+def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
+    """Each fault that landed: its kind, victims, outcome, and the time from its first
+    part to the first step after the recovery that ended it.
+
+    A part's recovery begins with the first plan detected after it lands that replaces
+    its rank (for a lost node, any plan): ``plan`` events. The fault ends with the first
+    recovery to complete (``recovery`` events, after every member's first step) of an
+    epoch at or past its parts' (a recovery interrupted by a second failure completes
+    as the next epoch's)."""
+    plans = sorted((e["detected_at"], e["epoch"], set(e["failed"])) for e in events if e["event"] == "plan")
+    completed = sorted((e["epoch"], max(m.get("first step", 0.0) for m in e["marks"].values()), e)
+                       for e in events if e["event"] == "recovery" and e.get("marks"))
+    fallbacks = {e["epoch"] for e in events if e["event"] == "checkpoint_fallback"}
+    losses = {e["epoch"] for e in events if e["event"] == "state_lost"}
+    stopped = [e["time"] for e in events if e["event"] == "job_failed"]
+    spares_started = [e["time"] for e in events if e["event"] == "spare_started"]
+    hung = [(e["time"], e["rank"]) for e in events if e["event"] == "process_exited" and "hung" in e.get("how", "")]
+    landed: Dict[int, List[dict]] = {}
+    for event in events:
+        if event["event"] == "fault_injected" and "scenario" in event:
+            landed.setdefault(event["scenario"], []).append(event)
+    faults = []
+    for scenario, parts in sorted(landed.items()):
+        start = min(e["time"] for e in parts)
+        kind = parts[0]["scenario_kind"]
+        victims = sorted({e["rank"] for e in parts if e.get("rank") is not None})
+        fault = {"scenario": scenario, "kind": kind, "victims": victims, "landed": len(parts),
+                 "every_copy_taken": False, "hung_copy": False, "seconds": None, "outcome": None}
+        faults.append(fault)
+        if kind == "kill-spare":  # no rank is lost: the pool is refilled, and nothing else happens
+            fault["outcome"] = "spare replaced" if any(t > start for t in spares_started) else "spare not replaced"
+            continue
+        epochs = [next((epoch for detected, epoch, failed in plans if detected >= part["time"] - 1e-3
+                        and (part.get("rank") is None or part["rank"] in failed)), None) for part in parts]
+        if None in epochs:
+            fault["outcome"] = "stopped" if any(t >= start for t in stopped) else "no recovery followed"
+            continue
+        first, last = min(epochs), max(epochs)
+        ended = next(((epoch, end, e) for epoch, end, e in completed if epoch >= last), None)
+        through = range(first, (ended[0] if ended else max(losses | fallbacks | {last})) + 1)
+        # Every rank lost in the recovery that ended this fault, by this fault or by another in
+        # flight with it (landed before or after, its recovery not complete): a rank and its
+        # buddy among them took every copy of its state.
+        settled = max((epoch for epoch, _, _ in completed if epoch < first), default=0)
+        lost = {rank for _, epoch, failed in plans if settled < epoch <= through[-1] for rank in failed}
+        pairs = {rank for rank in lost if buddy[rank] in lost}
+        fault["every_copy_taken"] = bool(pairs)
+        until = ended[1] if ended else math.inf  # one of them was hung, not gone, until the agent killed it
+        fault["hung_copy"] = any(rank in pairs and start <= t <= until for t, rank in hung)
+        if any(epoch in losses for epoch in through) or ended is None:
+            fault["outcome"] = "lost" if any(epoch in losses for epoch in through) else "stopped"
+            continue
+        epoch, end, recovery = ended
+        fault["outcome"] = "checkpoint" if any(e in fallbacks for e in through) else "recovered"
+        fault["seconds"] = end - start
+        phases = {k: v for k, v in recovery["phases_s"].items() if v is not None}
+        fault["slowest_phase"] = max(phases, key=phases.get) if phases else None
+        fault["reason"] = recovery.get("reason")
+    return faults
+
+
+def unexplained(events: List[dict], within: float = 5.0) -> List[str]:
+    """Failures the agents detected that no injected fault explains (none landed in the
+    ``within`` seconds before): a live node declared lost, a worker that left its call too
+    late (the abort deadline), a crash. Their reasons."""
+    faults = [e["time"] for e in events if e["event"] == "fault_injected"]
+    return [e["reason"] for e in events if e["event"] == "failure_detected"
+            and not any(0 <= e["detected_at"] - t <= within for t in faults)]
+
+
+def reference_run(workdir: Path, steps: int, timeout: float) -> Path:
+    """The same steps without a fault (one node of 4, unpaced): its final parameters."""
+    from peerstate.tools.local import LocalJob
+
+    out = workdir / "reference.pt"
+    job = LocalJob(workdir / "reference", [(WORLD, 0)], [str(JOB), "--steps", str(steps), "--out", str(out),
+                                                          "--step-seconds", "0"])
+    try:
+        if job.wait(timeout) != [0]:
+            raise RuntimeError(f"the fault-free reference failed; see {job.dir}")
+    finally:
+        job.close()
+    return out
+
+
+def bitwise(reference: Path, final: Path) -> dict:
+    import torch
+
+    a, b = torch.load(reference), torch.load(final)
+    different = [name for name in a if name not in b or not torch.equal(a[name], b[name])]
+    return {"equal": not different and a.keys() == b.keys(), "tensors": len(a), "different": different}
+
+
+def percentile(values: List[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def summarise(rounds: List[dict], check: dict) -> dict:
+    faults = [f for r in rounds for f in r["faults"]]
+    seconds = [f["seconds"] for f in faults if f["seconds"] is not None]
+    growth = []
+    for r in rounds:
+        for samples in r["memory"].values():
+            if len(samples) >= 2:
+                growth.append(samples[-1] / samples[0] - 1)
+    by_outcome: Dict[str, int] = {}
+    for fault in faults:
+        by_outcome[fault["outcome"]] = by_outcome.get(fault["outcome"], 0) + 1
+    return {
+        "faults": len(faults), "by_kind": {k: sum(f["kind"] == k for f in faults) for k in KINDS.split(",")},
+        "outcomes": by_outcome,
+        "unexpected_fallbacks": [f for f in faults if f["outcome"] == "checkpoint" and not f["every_copy_taken"]],
+        # Known (#20, item 4): a hung worker's memory is not yet a source; its agent kills it first.
+        "hung_copy_fallbacks": [f for f in faults if f["outcome"] == "checkpoint" and f["hung_copy"]],
+        "lost": [f for f in faults if f["outcome"] == "lost"],
+        "p50_s": percentile(seconds, 0.5), "p99_s": percentile(seconds, 0.99), "max_s": max(seconds, default=None),
+        "over_2s": [f for f in faults if (f["seconds"] or 0) > 2],
+        "over_5s": [f for f in faults if (f["seconds"] or 0) > 5],
+        "unexplained_recoveries": [reason for r in rounds for reason in r["unexplained"]],
+        "memory_growth_max": max(growth, default=None), "workers_measured": len(growth),
+        "leftover_processes": sum(len(r["leftover"]) for r in rounds),
+        "failed_rounds": [{"round": r["round"], "reason": r["failure"], "log": r["log"]} for r in rounds
+                          if r["failure"]],
+        "bitwise": check,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one round of about 10 faults")
+    parser.add_argument("--faults", type=int, default=None, help="faults to land in all (default 100; --quick 10)")
+    parser.add_argument("--per-round", type=int, default=None, help="faults drawn per round (default 8; --quick 10)")
+    parser.add_argument("--mtbf", type=float, default=8.0,
+                        help="mean seconds between faults (a spare takes 3-6 s to start on these 2 busy cores: "
+                             "a shorter one outruns the refill, and recoveries wait for spares)")
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--step-seconds", type=float, default=0.1)
+    parser.add_argument("--checkpoint-every", type=int, default=20)
+    parser.add_argument("--tail", type=float, default=4.0, help="seconds a round runs past its last fault")
+    parser.add_argument("--round-timeout", type=float, default=300.0)
+    parser.add_argument("--keep", default=None, help="a folder for the logs (default: a temporary one)")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    target = args.faults or (10 if args.quick else 100)
+    args.per_round = args.per_round or (10 if args.quick else 8)
+    from peerstate.tools.etcd_cluster import EtcdCluster
+
+    workdir = Path(args.keep or tempfile.mkdtemp(prefix="peerstate-soak-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "etcd").mkdir(exist_ok=True)
+    etcd = EtcdCluster(workdir / "etcd", members=3)
+    rounds: List[dict] = []
+    total_steps = 0
+    started = time.monotonic()
+    try:
+        while sum(len(r["faults"]) for r in rounds) < target:
+            from peerstate.launcher.inject import parse
+
+            spec_faults = parse(f"random:mtbf={args.mtbf}:seed={args.seed * 1000 + len(rounds)}:max={args.per_round}:"
+                                f"kinds={KINDS}", world_size=WORLD, nnodes=len(NODES))
+            total_steps += math.ceil((max(f.time for f in spec_faults) + args.tail) / args.step_seconds)
+            result = run_round(len(rounds), args, etcd, workdir, total_steps)
+            rounds.append(result)
+            faults = result["faults"]
+            print(f"round {result['round']}: {len(faults)} faults landed, "
+                  f"{sum(f['outcome'] == 'recovered' for f in faults)} recovered, "
+                  f"{sum(f['outcome'] == 'checkpoint' for f in faults)} from the checkpoint, "
+                  f"{sum(f['outcome'] == 'lost' for f in faults)} lost; agents exited {result['codes']}"
+                  + (f"; the job stopped: {result['failure']}" if result["failure"] else ""), flush=True)
+    finally:
+        etcd.close()
+    check = bitwise(reference_run(workdir, total_steps, args.round_timeout), workdir / "final.pt")
+    summary = summarise(rounds, check)
+    report(summary, rounds, time.monotonic() - started)
+    result = {"benchmark": "soak", "command": " ".join(["python", "bench/soak.py", *(argv or sys.argv[1:])]),
+              "seed": args.seed, "mtbf_s": args.mtbf, "steps": total_steps, "summary": summary, "rounds": rounds}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {args.out}; logs in {workdir}")
+    return 0 if holds(summary) else 1
+
+
+def holds(summary: dict) -> bool:
+    """What the soak asserts: every fault recovered, or back from the checkpoint where it
+    took every copy; nothing lost; no round stopped; no process left; bitwise."""
+    return (not summary["lost"] and not summary["unexpected_fallbacks"] and not summary["failed_rounds"]
+            and summary["leftover_processes"] == 0 and summary["bitwise"]["equal"]
+            and set(summary["outcomes"]) <= {"recovered", "checkpoint", "spare replaced", "no recovery followed"})
+
+
+def report(summary: dict, rounds: List[dict], seconds: float) -> None:
+    fmt = lambda v: "-" if v is None else f"{v:.3f}s"  # noqa: E731
+    print(f"\n{summary['faults']} faults in {len(rounds)} rounds, {seconds / 60:.1f} min "
+          f"(by kind: {summary['by_kind']})")
+    print(f"{'outcome':<24}{'faults':>8}")
+    for outcome, count in sorted(summary["outcomes"].items()):
+        print(f"{outcome:<24}{count:>8}")
+    print(f"fault to first step: p50 {fmt(summary['p50_s'])}, p99 {fmt(summary['p99_s'])}, "
+          f"max {fmt(summary['max_s'])}")
+    for label in ("over_2s", "over_5s"):
+        for f in summary[label]:
+            print(f"  {label}: {f['kind']} of ranks {f['victims']}: {f['seconds']:.2f}s, slowest phase "
+                  f"{f.get('slowest_phase')} ({f.get('reason')})")
+    for f in summary["unexpected_fallbacks"]:
+        print(f"  fell back to the checkpoint though a copy survived: {f['kind']} of ranks {f['victims']}")
+    for f in summary["hung_copy_fallbacks"]:
+        print(f"  fell back to the checkpoint though one of the pair was hung, not gone (its memory is not a source "
+              f"yet; #20): {f['kind']} of ranks {f['victims']}")
+    for f in summary["lost"]:
+        print(f"  LOST: {f['kind']} of ranks {f['victims']}")
+    for reason in summary["unexplained_recoveries"]:
+        print(f"  a recovery no fault explains: {reason}")
+    growth = summary["memory_growth_max"]
+    print(f"workers' memory growth over their recoveries: max {'-' if growth is None else f'{growth:+.1%}'} "
+          f"({summary['workers_measured']} workers); processes left behind: {summary['leftover_processes']}")
+    for failed in summary["failed_rounds"]:
+        print(f"  round {failed['round']} stopped: {failed['reason']} (logs: {failed['log']})")
+    print(f"final parameters bitwise equal to the fault-free run: {summary['bitwise']['equal']} "
+          f"({summary['bitwise']['tensors']} tensors)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The soak's training job (``bench/soak.py``): the demo's GPT under DDP with
+peerstate, each step at least ``--step-seconds`` long (the rest of the step is
+slept, standing in for a larger model's compute, so that a round's length in
+seconds, where its faults fall, is known in steps). With ``--step-seconds 0``
+it is the fault-free reference. A new job started on the same
+``--checkpoint-dir`` resumes after its newest checkpoint, so rounds chain.
+
+Rank 0 writes the final parameters to ``--out``."""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+import peerstate
+from peerstate.demo.model import Batches, TinyGPT, corpus
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, required=True)
+parser.add_argument("--out", required=True, help="the final parameters (rank 0)")
+parser.add_argument("--step-seconds", type=float, default=0.1)
+parser.add_argument("--width", type=int, default=128)
+parser.add_argument("--layers", type=int, default=2)
+args = parser.parse_args()
+
+torch.set_num_threads(1)
+batches = Batches(corpus(seed=0), context=64, batch=8, seed=0)
+job = peerstate.Job()
+torch.manual_seed(0)
+model = TinyGPT(len(batches.vocabulary), width=args.width, layers=args.layers)
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=True)
+ddp = job.ddp(model)
+print(f"rank {job.rank} pid {os.getpid()}", flush=True)
+for step in job.steps(args.steps):
+    with job.guard():
+        started = time.monotonic()
+        x, y = batches(step, job.rank)
+        loss = F.cross_entropy(ddp(x).view(-1, len(batches.vocabulary)), y.view(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        time.sleep(max(0.0, args.step_seconds - (time.monotonic() - started)))
+    print(f"rank {job.rank} step {step}", flush=True)
+if job.rank == 0:
+    torch.save({name: value.clone() for name, value in model.state_dict().items()}, args.out)
+job.close()

@@ -1,0 +1,81 @@
+"""The soak's quick form (``bench/soak.py --quick``): about ten faults drawn from
+every kind (a worker killed, a hang, a node killed, a spare killed, a kill inside
+a recovery, a hang then a kill of its buddy, a rank and its buddy killed at once)
+on a real job over a real 3-member etcd, with real signals. It asserts what the
+soak asserts: every fault recovered, or back from the disk checkpoint where it
+took every copy of some state; nothing lost; no round stopped; no process left
+behind; the final parameters bit for bit those of the fault-free run. Its times
+and memory are the benchmark's to report (bench/README.md, "Soak"), not a test's
+to assert on a shared CI machine."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from helpers.etcd import require_etcd  # noqa: E402
+
+SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
+
+
+def test_a_quick_soak_recovers_every_fault_of_every_kind_and_ends_bitwise(tmp_path):
+    require_etcd()
+    out = tmp_path / "soak.json"
+    run = subprocess.run([sys.executable, str(SOAK), "--quick", "--keep", str(tmp_path / "logs"), "--out", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert out.exists(), f"no result (exit {run.returncode}):\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    summary = json.loads(out.read_text())["summary"]
+    print(run.stdout[-3000:])  # its figures, in the test's output
+    assert summary["faults"] >= 10, summary["by_kind"]
+    assert not summary["lost"], run.stdout[-3000:]
+    assert not summary["unexpected_fallbacks"], run.stdout[-3000:]
+    assert not summary["failed_rounds"], run.stdout[-3000:]
+    assert set(summary["outcomes"]) <= {"recovered", "checkpoint", "spare replaced", "no recovery followed"}, \
+        summary["outcomes"]
+    assert summary["leftover_processes"] == 0
+    assert summary["bitwise"]["equal"], summary["bitwise"]
+    assert run.returncode == 0, run.stdout[-3000:]
+
+
+def _soak_module():
+    spec = importlib.util.spec_from_file_location("soak", SOAK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_soak_counts_a_pair_lost_by_two_faults_in_flight_together_as_every_copy_taken():
+    # From a real round: a hang of rank 3 and, 0.4 s later, a kill of its buddy rank 1 (two
+    # scenarios). The kill's plan (epoch 1) is overtaken by the hang's (epoch 2) before it
+    # completes; the fallback is expected for both, and the hung rank's copy is flagged.
+    soak = _soak_module()
+
+    def event(name, time, **fields):
+        return {"event": name, "time": time, **fields}
+
+    events = [
+        event("fault_injected", 10.0, scenario=0, scenario_kind="hang", kind="hang", rank=3),
+        event("fault_injected", 10.4, scenario=1, scenario_kind="kill", kind="kill", rank=1),
+        event("plan", 10.45, epoch=1, failed=[1], detected_at=10.42),
+        event("process_exited", 10.8, rank=3, code=-9, how="hung (its progress counter stopped) and was killed"),
+        event("plan", 10.85, epoch=2, failed=[3], detected_at=10.8),
+        event("checkpoint_fallback", 11.5, epoch=2),
+        event("recovery", 11.9, epoch=2, marks={"0": {"first step": 11.9}}, phases_s={"plan": 0.1}),
+        event("fault_injected", 20.0, scenario=2, scenario_kind="kill", kind="kill", rank=2),
+        event("plan", 20.05, epoch=3, failed=[2], detected_at=20.02),
+        event("recovery", 20.4, epoch=3, marks={"0": {"first step": 20.4}}, phases_s={"plan": 0.03}),
+    ]
+    hang, kill, alone = soak.analyse(events, soak.buddies())
+    assert soak.buddies()[1] == 3
+    for fault in (hang, kill):
+        assert fault["outcome"] == "checkpoint" and fault["every_copy_taken"] and fault["hung_copy"], fault
+    assert alone["outcome"] == "recovered" and not alone["every_copy_taken"], alone
+    assert abs(alone["seconds"] - 0.4) < 1e-9
+    summary = soak.summarise([{"faults": [hang, kill, alone], "memory": {}, "unexplained": [], "leftover": [],
+                               "failure": None, "round": 0, "log": ""}], {"equal": True, "tensors": 1})
+    assert not summary["unexpected_fallbacks"] and len(summary["hung_copy_fallbacks"]) == 2
