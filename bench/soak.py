@@ -35,7 +35,7 @@ Measured: all of it, on this machine's 2 cores. Each step sleeps up to
 is known in steps; the reference runs unpaced (the pacing changes no value).
 
     python bench/soak.py              # >= 100 faults, about 15 minutes; bench/results/soak.json
-    python bench/soak.py --quick      # >= 10 faults in one round (tests/e2e/test_soak.py runs it)
+    python bench/soak.py --quick      # >= 10 faults in one round, mtbf 5 s (tests/e2e/test_soak.py runs it)
 """
 
 from __future__ import annotations
@@ -70,18 +70,22 @@ def buddies() -> Dict[int, int]:
     return {rank: placement.holders(rank)[0] for rank in range(WORLD)}
 
 
+def fault_spec(args, index: int) -> str:
+    """Round ``index``'s ``--inject`` spec: every kind, drawn from the seed and the round."""
+    return f"random:mtbf={args.mtbf}:seed={args.seed * 1000 + index}:max={args.per_round}:kinds={KINDS}"
+
+
 def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
     """One job of ``total_steps`` (resuming after the newest checkpoint) with its faults;
     returns what happened, from its event log and the machine."""
     from peerstate.tools.local import LocalJob, resident_bytes
 
-    spec = f"random:mtbf={args.mtbf}:seed={args.seed * 1000 + index}:max={args.per_round}:kinds={KINDS}"
     job = LocalJob(workdir / f"round{index}", NODES,
                    [str(JOB), "--steps", str(total_steps), "--out", str(workdir / "final.pt"),
                     "--step-seconds", str(args.step_seconds)],
                    agent_args=[*AGENT_FLAGS, "--job-id", f"soak-{args.seed}-{index}", "--checkpoint-dir",
                                str(workdir / "checkpoints"), "--checkpoint-every", str(args.checkpoint_every),
-                               "--inject", spec], store=etcd.url)
+                               "--inject", fault_spec(args, index)], store=etcd.url)
     memory: Dict[int, List[int]] = {}  # pid -> its resident bytes after each recovery
     seen = 0
     try:
@@ -101,7 +105,7 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
     time.sleep(0.5)  # workers die with their agent (PR_SET_PDEATHSIG): give the kernel a moment
     leftover = job.leftover_processes()
     events = job.events()
-    return {"round": index, "spec": spec, "steps": total_steps, "codes": codes, "leftover": leftover,
+    return {"round": index, "spec": fault_spec(args, index), "steps": total_steps, "codes": codes, "leftover": leftover,
             "memory": {str(pid): samples for pid, samples in memory.items()},
             "faults": analyse(events, buddies()),
             "unexplained": unexplained(events), "log": str(job.dir),
@@ -243,9 +247,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one round of about 10 faults")
     parser.add_argument("--faults", type=int, default=None, help="faults to land in all (default 100; --quick 10)")
     parser.add_argument("--per-round", type=int, default=None, help="faults drawn per round (default 8; --quick 10)")
-    parser.add_argument("--mtbf", type=float, default=8.0,
-                        help="mean seconds between faults (a spare takes 3-6 s to start on these 2 busy cores: "
-                             "a shorter one outruns the refill, and recoveries wait for spares)")
+    parser.add_argument("--mtbf", type=float, default=None,
+                        help="mean seconds between faults (default 8; --quick 5: a spare takes 3-6 s to start on "
+                             "these 2 busy cores, so a shorter one outruns the refill and recoveries wait for spares; "
+                             "the quick form checks what survives, not how fast)")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--checkpoint-every", type=int, default=20)
@@ -256,6 +261,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     target = args.faults or (10 if args.quick else 100)
     args.per_round = args.per_round or (10 if args.quick else 8)
+    args.mtbf = args.mtbf or (5.0 if args.quick else 8.0)
     from peerstate.tools.etcd_cluster import EtcdCluster
 
     workdir = Path(args.keep or tempfile.mkdtemp(prefix="peerstate-soak-"))
@@ -269,8 +275,7 @@ def main(argv=None) -> int:
         while sum(len(r["faults"]) for r in rounds) < target:
             from peerstate.launcher.inject import parse
 
-            spec_faults = parse(f"random:mtbf={args.mtbf}:seed={args.seed * 1000 + len(rounds)}:max={args.per_round}:"
-                                f"kinds={KINDS}", world_size=WORLD, nnodes=len(NODES))
+            spec_faults = parse(fault_spec(args, len(rounds)), world_size=WORLD, nnodes=len(NODES))
             total_steps += math.ceil((max(f.time for f in spec_faults) + args.tail) / args.step_seconds)
             result = run_round(len(rounds), args, etcd, workdir, total_steps)
             rounds.append(result)

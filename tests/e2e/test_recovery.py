@@ -330,13 +330,20 @@ def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, ref
 
 def test_a_rank_that_dies_of_an_exception_in_its_loop_is_recovered(run, reference):
     # Job.close() (atexit, after the exception) used to mark its progress counter finished,
-    # and the agent then took the death for one after the last step: not recovered.
+    # and the agent then took the death for one after the last step: not recovered. And the
+    # guard used to wait failure_grace (20 s here) for a plan before raising the script's own
+    # error, while the others waited in their all-reduce until gloo timed it out (15 s here);
+    # now it raises at once and the others are aborted as for a kill, not timed out.
     job = run(script_args=["--raise-at", "1:8"])
     assert job.wait() == [0, 0], job.describe()
     assert_bitwise(job, reference)
     [recovery] = recoveries(job)
     assert recovery["failed"] == [1] and "exited with code 1" in recovery["reason"], recovery
     assert "was told to fail in step 8" in (job.logs / "n0.1.log").read_text()
+    [raised] = job.events("step_raised")
+    assert raised["rank"] == 1 and raised["step"] == 8 and "told to fail" in raised["error"], raised
+    interrupted = job.events("step_interrupted")
+    assert interrupted and not [e for e in interrupted if "Timed out" in (e["error"] or "")], interrupted
 
 
 def test_a_new_job_resumes_from_the_newest_checkpoint_of_the_same_directory(run, reference, tmp_path):

@@ -199,8 +199,12 @@ class Relay:
         except (OSError, ConnectionError):
             pass
         finally:
-            source.close()
-            sink.close()
+            for end in (source, sink):  # shutdown, not only close: it wakes the other pipe's recv
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                end.close()
 
     def close(self):
         self.listener.close()

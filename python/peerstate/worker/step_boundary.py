@@ -139,9 +139,40 @@ class StepBoundary:
                           f"({failing}); retrying with the next step's version", file=sys.stderr, flush=True)
 
 
+# What a collective's or a transport's error says when its peer died or its group was
+# aborted (gloo raises plain RuntimeErrors; NCCL and the c10d store raise DistErrors).
+_PEER_FAILURE_MARKS = ("gloo", "nccl", "c10d", "processgroup", "connection closed by peer", "connection reset",
+                       "broken pipe", "timed out waiting", "aborted", "socket")
+
+
+def raised_by_a_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` (or an exception it was raised from) may be a peer's failure
+    seen from here: a torch.distributed error, a gloo/NCCL error, one of peerstate's.
+    Anything else is the script's own (a bug, a bad batch, an out-of-memory): no
+    recovery is coming for it unless this rank dies, so waiting for one only holds the
+    other ranks in their collectives for ``failure_grace``."""
+    import torch.distributed
+
+    from peerstate.errors import Error
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (torch.distributed.DistError, Error)):
+            return True
+        if isinstance(error, (RuntimeError, OSError)) and any(m in str(error).lower() for m in _PEER_FAILURE_MARKS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class StepGuard:
     """One step's body (``Job.guard``): on a clean exit the step boundary runs; a
-    failure inside, once the coordinator declared it, becomes a recovery."""
+    failure inside, once the coordinator declared it, becomes a recovery. The
+    script's own error (``raised_by_a_peer_failure`` says no, and no failure is
+    declared yet) is raised at once: its rank exits and its agent hands it to a spare,
+    in the time of a kill, where waiting ``failure_grace`` for a plan that only its
+    own death would bring held every other rank that long."""
 
     def __init__(self, joiner: "EpochJoiner", boundary: StepBoundary, membership: Membership,
                  events: EventLog, regroup: "BusyPeerRegroup") -> None:
@@ -165,6 +196,10 @@ class StepGuard:
         elif exc_type is not None:
             if not issubclass(exc_type, Exception):
                 return False  # KeyboardInterrupt, SystemExit
+            if not raised_by_a_peer_failure(exc) and joiner.watcher.latest.epoch == epoch:
+                self._events.write("step_raised", step=step, epoch=epoch, rank=self._membership.rank,
+                                   error=f"{exc_type.__name__}: {str(exc)[:200]}")
+                return False
             self._regroup.note(exc, epoch, self._membership.rank)
             if not joiner.failure_declared(epoch) and \
                     not self._regroup.after(exc, joiner.watcher, epoch, self._membership.rank, step):
