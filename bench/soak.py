@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import tempfile
 import time
@@ -259,6 +260,8 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", default=None, help="a folder for the logs (default: a temporary one)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
+    # A SIGTERM runs the finally blocks, as Ctrl-C does: the round's job and etcd stop with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     target = args.faults or (10 if args.quick else 100)
     args.per_round = args.per_round or (10 if args.quick else 8)
     args.mtbf = args.mtbf or (5.0 if args.quick else 8.0)

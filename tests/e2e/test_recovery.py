@@ -324,6 +324,10 @@ def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, ref
     assert_bitwise(job, reference)
     [fallback] = {e["step"]: e for e in job.events("checkpoint_fallback")}.values()
     assert fallback["step"] % 5 == 0 and f"ranks {' and '.join(map(str, killed))} lost" in fallback["message"]
+    # The holders dropped the abandoned run's replicas too: the re-run's versions landed
+    # (the soak found every push refused as "not newer" up to the step of the failure).
+    refused = [e for e in job.events("replication_failed") if "not newer" in e["error"]]
+    assert not refused, refused
     if data_parallel:  # ranks 0 and 2 were the two holders of data-parallel share 0
         assert "data-parallel share 0 has no surviving copy" in fallback["message"], fallback
 

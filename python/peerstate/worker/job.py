@@ -97,8 +97,10 @@ class Job:
             written every ``checkpoint_every`` steps, the fallback when a failure
             takes every copy of some rank's state.
         join_timeout: seconds to wait for every member while joining an epoch.
-        failure_grace: seconds an error in the loop may wait for the coordinator to
-            declare a failure before it is treated as a bug and raised.
+        failure_grace: seconds an error in the loop that may be a peer's failure (a
+            torch.distributed, gloo, NCCL or peerstate error) waits for the coordinator
+            to declare one before it is treated as a bug and raised. Any other error is
+            the script's own and is raised at once: the rank exits, and a spare takes it.
         abort_timeout: seconds the training loop may take, after a failure aborted
             the groups, to leave the call it is in and start the recovery. Past it
             this process exits with ``ABORT_DEADLINE_EXIT_CODE`` and a spare takes

@@ -170,7 +170,9 @@ class EpochJoiner:
 
     def _plan(self, plan: RecoveryPlan, restore: RestorePlan) -> RestorePlan:
         """Act on this member's restore plan: a loss (the plan writer already stopped
-        the job) raises; a checkpoint fallback is said; otherwise newer replicas go."""
+        the job) raises; a checkpoint fallback is said; the replicas newer than the
+        recovery point go, whichever it is. (Kept after a fallback, they refused every
+        re-run version up to their own: the job ran unreplicated back to where it was.)"""
         if restore.source is RestoreSource.LOST:
             reason = lost_without_checkpoint(restore.message)
             self.coordinator.fail_job(reason)
@@ -178,8 +180,7 @@ class EpochJoiner:
         if restore.source is RestoreSource.CHECKPOINT:
             print(f"peerstate: {restore.message}; falling back to the disk checkpoint of step {restore.version} "
                   f"({restore.checkpoint})", file=sys.stderr, flush=True)
-        else:
-            self.replication.drop_newer(restore.version)
+        self.replication.drop_newer(restore.version)
         return restore
 
     def failure_declared(self, epoch: int) -> bool:
