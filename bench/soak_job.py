@@ -12,10 +12,9 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 
 import peerstate
-from peerstate.demo.model import Batches, TinyGPT, corpus
+from peerstate.demo.model import Batches, build, corpus, train_step
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, required=True)
@@ -28,23 +27,14 @@ args = parser.parse_args()
 torch.set_num_threads(1)
 batches = Batches(corpus(seed=0), context=64, batch=8, seed=0)
 job = peerstate.Job()
-torch.manual_seed(0)
-model = TinyGPT(len(batches.vocabulary), width=args.width, layers=args.layers)
-optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+model, optimizer, scheduler = build(len(batches.vocabulary), args.width, args.layers, seed=0)
 job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=True)
 ddp = job.ddp(model)
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
 for step in job.steps(args.steps):
     with job.guard():
         started = time.monotonic()
-        x, y = batches(step, job.rank)
-        loss = F.cross_entropy(ddp(x).view(-1, len(batches.vocabulary)), y.view(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
+        train_step(ddp, optimizer, scheduler, batches, step, job.rank)
         time.sleep(max(0.0, args.step_seconds - (time.monotonic() - started)))
     print(f"rank {job.rank} step {step}", flush=True)
 if job.rank == 0:

@@ -79,3 +79,24 @@ class Batches:
         x = torch.stack([self.data[s : s + self.context] for s in starts])
         y = torch.stack([self.data[s + 1 : s + 1 + self.context] for s in starts])
         return x, y
+
+
+def build(vocabulary_size: int, width: int, layers: int, seed: int):
+    """The demo's model, optimizer and learning-rate schedule, seeded: (model, optimizer, scheduler)."""
+    torch.manual_seed(seed)
+    model = TinyGPT(vocabulary_size, width=width, layers=layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+    return model, optimizer, scheduler
+
+
+def train_step(ddp: nn.Module, optimizer, scheduler, batches: Batches, step: int, rank: int) -> float:
+    """One step of rank ``rank`` on batch ``step``; returns its loss."""
+    x, y = batches(step, rank)
+    loss = F.cross_entropy(ddp(x).view(-1, len(batches.vocabulary)), y.view(-1))
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    return loss.item()

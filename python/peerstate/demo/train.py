@@ -13,9 +13,8 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
-from peerstate.demo.model import Batches, TinyGPT, corpus
+from peerstate.demo.model import Batches, build, corpus, train_step
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=60)
@@ -31,39 +30,20 @@ torch.set_num_threads(1)
 batches = Batches(corpus(seed=args.seed), context=64, batch=args.batch, seed=args.seed)
 
 
-def build():
-    torch.manual_seed(args.seed)
-    model = TinyGPT(len(batches.vocabulary), width=args.width, layers=args.layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
-    return model, optimizer, scheduler
-
-
-def train_step(ddp, model, optimizer, scheduler, step, rank):
-    x, y = batches(step, rank)
-    loss = F.cross_entropy(ddp(x).view(-1, len(batches.vocabulary)), y.view(-1))
-    optimizer.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    scheduler.step()
-    return loss.item()
-
-
 if args.restart_from:  # the classic way: a fresh process loads a checkpoint from disk
     import torch.distributed as dist
 
     started = time.time()
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
-    model, optimizer, scheduler = build()
+    model, optimizer, scheduler = build(len(batches.vocabulary), args.width, args.layers, args.seed)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     state = torch.load(os.path.join(args.restart_from, f"rank{rank}.pt"))
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     loaded = time.time()
-    train_step(ddp, model, optimizer, scheduler, state["step"] + 1, rank)
+    train_step(ddp, optimizer, scheduler, batches, state["step"] + 1, rank)
     print(f"baseline started {started} loaded {loaded} stepped {time.time()}", flush=True)
     dist.destroy_process_group()
     sys.exit(0)
@@ -71,13 +51,13 @@ if args.restart_from:  # the classic way: a fresh process loads a checkpoint fro
 import peerstate  # noqa: E402
 
 job = peerstate.Job()
-model, optimizer, scheduler = build()
+model, optimizer, scheduler = build(len(batches.vocabulary), args.width, args.layers, args.seed)
 job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=True)  # a spare waits here
 ddp = job.ddp(model)
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
 for step in job.steps(args.steps):
     with job.guard():
-        loss = train_step(ddp, model, optimizer, scheduler, step, job.rank)
+        loss = train_step(ddp, optimizer, scheduler, batches, step, job.rank)
         if job.rank == 0:
             print(f"loss {step} {loss!r} {time.time()}", flush=True)
         print(f"rank {job.rank} step {step}", flush=True)
