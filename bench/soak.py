@@ -110,7 +110,9 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
             "memory": {str(pid): samples for pid, samples in memory.items()},
             "faults": analyse(events, buddies()),
             "unexplained": unexplained(events), "log": str(job.dir),
-            "failure": next((e.get("reason") for e in events if e["event"] == "job_failed"), None)}
+            "failure": next((e.get("reason") for e in events if e["event"] == "job_failed"),
+                            f"the round did not end within --round-timeout {args.round_timeout:.0f}s" if None in codes
+                            else None)}
 
 
 def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
@@ -266,6 +268,7 @@ def main(argv=None) -> int:
     args.per_round = args.per_round or (10 if args.quick else 8)
     args.mtbf = args.mtbf or (5.0 if args.quick else 8.0)
     from peerstate.tools.etcd_cluster import EtcdCluster
+    from peerstate.worker.checkpoint import latest_checkpoint
 
     workdir = Path(args.keep or tempfile.mkdtemp(prefix="peerstate-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -279,6 +282,9 @@ def main(argv=None) -> int:
             from peerstate.launcher.inject import parse
 
             spec_faults = parse(fault_spec(args, len(rounds)), world_size=WORLD, nnodes=len(NODES))
+            if rounds and rounds[-1]["failure"]:  # it stopped short: the next goes on from its newest checkpoint
+                newest = latest_checkpoint(str(workdir / "checkpoints"))
+                total_steps = newest[0] + 1 if newest else 0
             total_steps += math.ceil((max(f.time for f in spec_faults) + args.tail) / args.step_seconds)
             result = run_round(len(rounds), args, etcd, workdir, total_steps)
             rounds.append(result)

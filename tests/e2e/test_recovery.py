@@ -163,6 +163,17 @@ def test_hung_worker_is_detected_by_its_progress_counter(run, reference):
     assert "hung" in exited["how"]
 
 
+def test_a_worker_whose_setup_holds_the_gil_is_not_taken_for_hung(run, reference):
+    # Before its first step a worker's heartbeat may stand still for longer than --hang-timeout
+    # (1.5 s here) without a hang: DDP's parameter check and a group's connect hold the GIL
+    # while they wait for a slower peer (the soak lost whole rounds to that on 2 busy cores).
+    job = run(script_args=["--hold-gil", "1:4"])
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert "held the GIL for 4.0s" in (job.logs / "n0.1.log").read_text()
+    assert not recoveries(job) and not job.events("failure_detected"), job.describe()
+
+
 def test_blocked_collectives_of_declared_subgroups_are_aborted(run, reference):
     # Rank 3 stops before its collective with rank 1, then its whole node freezes:
     # nothing exits and no socket closes, as when a node drops off the network.

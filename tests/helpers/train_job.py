@@ -33,6 +33,9 @@ parser.add_argument("--hold-after", default=None, metavar="RANK:STEP",
                     help="RANK sleeps at the end of STEP, after its collectives and optimizer step (first life only)")
 parser.add_argument("--raise-at", default=None, metavar="RANK:STEP",
                     help="RANK raises an exception in STEP, in an initial worker only (its replacement does not)")
+parser.add_argument("--hold-gil", default=None, metavar="RANK:SECONDS",
+                    help="RANK holds the GIL for SECONDS before its first step, as some of torch's setup "
+                         "collectives do while they wait for a slower peer (its heartbeat thread stands still)")
 parser.add_argument("--sleep-after-loop", type=float, default=0.0, help="seconds between the loop and close()")
 parser.add_argument("--abort-timeout", type=float, default=30.0)
 parser.add_argument("--failure-grace", type=float, default=20.0)
@@ -158,6 +161,16 @@ def train_step(step):
         print(f"rank {job.rank} holds after step {step}", flush=True)
         time.sleep(600)
 
+
+if args.hold_gil and job.rank == int(args.hold_gil.split(":")[0]) and job.recoveries == 0:
+    seconds = float(args.hold_gil.split(":")[1])
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 1)  # no other thread runs until this one blocks
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        pass
+    sys.setswitchinterval(interval)
+    print(f"rank {job.rank} held the GIL for {seconds}s", flush=True)
 
 guarded_step = job.guarded(train_step)
 for step in job.steps(args.steps):

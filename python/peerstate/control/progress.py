@@ -10,15 +10,22 @@ rank is blamed.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 _FORMAT = "<Qq"
 SIZE = struct.calcsize(_FORMAT)
 FINISHED = -2  # the step word once the worker has finished: it is no longer watched
+# The step word while a worker that has stepped recovers. Until its first step, and
+# while recovering, the agent bounds a stalled heartbeat by --join-timeout instead of
+# --hang-timeout: torch's setup collectives (DDP's parameter check, a group's connect)
+# hold the GIL while they wait for a slower peer, which stops a healthy worker's
+# ticker thread; those phases are bounded by their own timeouts.
+SETUP = -3
 
 
 def create(path: str) -> None:
@@ -54,6 +61,17 @@ class ProgressCounter:
 
         self._ticker = threading.Thread(target=tick, name="peerstate-progress", daemon=True)
         self._ticker.start()
+
+    @contextlib.contextmanager
+    def setting_up(self) -> Iterator[None]:
+        """Mark a recovery (see ``SETUP``); the step it finished before is set back after."""
+        previous = self.read()[1]
+        self.set_step(SETUP)
+        try:
+            yield
+        finally:
+            if self.read()[1] == SETUP:
+                self.set_step(previous)
 
     def finish(self) -> None:
         """Mark the worker done: from here to its exit it is not watched for hangs."""

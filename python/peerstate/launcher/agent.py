@@ -428,9 +428,15 @@ class Agent:
             if heartbeat != process.heartbeat:
                 process.heartbeat, process.heartbeat_at, process.ticked = heartbeat, now, True
             elif (process.ticked and process.rank is not None and not process.hung
-                  and now - process.heartbeat_at > self.config.hang_timeout):
+                  and now - process.heartbeat_at > self._hang_bound(step)):
                 process.hung = True
                 os.killpg(process.popen.pid, signal.SIGKILL)  # reaped, and reported, by the next poll
+
+    def _hang_bound(self, step: int) -> float:
+        """--hang-timeout in the loop; --join-timeout before a worker's first step and while
+        it recovers (``progress_file.SETUP`` says why), as nvidia-resiliency-ext bounds the
+        first heartbeat apart from the later ones."""
+        return self.config.hang_timeout if step >= 0 else max(self.config.hang_timeout, self.config.join_timeout)
 
     def _check_leases(self, now: float) -> None:
         """Declare the nodes of this agent's ring window whose lease stopped (see ``LeaseWatch``)."""

@@ -32,6 +32,7 @@ measure from the fault itself.
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -114,8 +115,6 @@ def _random_schedule(fields: Dict[str, str], world_size: int, nnodes: int) -> Li
     buddy = None
     if any(k in kinds for k in SEQUENCES[1:]):
         nproc = world_size // nnodes
-        import warnings
-
         with warnings.catch_warnings():  # one node: the buddy shares it, which the job itself says
             warnings.simplefilter("ignore")
             placement = BuddyPlacement([r // nproc for r in range(world_size)], k=1)

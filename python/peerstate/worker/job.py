@@ -46,6 +46,7 @@ so that a replayed step sees the same data.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import math
@@ -336,7 +337,8 @@ class Job:
         between steps when a failure was caught by ``guard``."""
         while True:
             if self.membership.state is MemberState.RECOVERING or self.watcher.latest.epoch != self.epoch:
-                self.joiner.recover()
+                with self.progress.setting_up() if self.progress else contextlib.nullcontext():
+                    self.joiner.recover()
             if self.next_step >= total:
                 break
             self._guard = None
