@@ -102,8 +102,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--store-key", default=None, help="with etcds://: this client's private key (PEM)")
     run.add_argument("--host", default="127.0.0.1", help="address this node's replication servers listen on")
     run.add_argument("--log-dir", default="peerstate-logs", help="worker logs and events.jsonl")
-    run.add_argument("--hang-timeout", type=float, default=10.0, help="seconds without progress before a "
-                     "worker is declared hung and killed")
+    run.add_argument("--hang-timeout", type=float, default=10.0, help="seconds a worker's heartbeat may stand "
+                     "still in its loop before it is declared hung and killed (before its first step and while "
+                     "it recovers: --join-timeout)")
     run.add_argument("--lease-timeout", type=float, default=3.0, help="seconds without a node's heartbeat "
                      "before it is declared lost")
     run.add_argument("--spare-timeout", type=float, default=60.0, help="seconds a recovery waits for a spare")

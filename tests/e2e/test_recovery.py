@@ -2,7 +2,6 @@
 signals. Every faulty run must end with the parameters of the fault-free run,
 bit for bit."""
 
-import os
 import re
 import signal
 
@@ -121,19 +120,6 @@ def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):
     # ranks 0 and 2 pulled share 1 twice, into a store of two slots
     pulls = [(p["rank"], p["shares"]) for p in job.events("pulled") if not p["replacement"]]
     assert sorted(pulls) == [(0, [1]), (0, [1]), (1, [0]), (2, [1]), (2, [1]), (3, [0])], pulls
-
-
-def test_a_dead_spare_is_replaced(run, reference):
-    job = run(script_args=["--step-seconds", "0.2"])  # slow steps: the refill takes a few seconds
-    job.wait_for(lambda: job.spare_pids(), "the spare")
-    job.wait_for_step(0, 5)
-    [spare] = job.spare_pids()
-    os.kill(spare, signal.SIGKILL)  # the spare holds no rank yet
-    job.wait_for(lambda: [p for p in job.spare_pids() if p != spare], "a new spare")
-    job.kill_rank(2)
-    assert job.wait() == [0, 0], job.describe()
-    assert_bitwise(job, reference)
-    assert len(recoveries(job)) == 1
 
 
 @pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])

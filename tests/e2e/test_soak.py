@@ -32,6 +32,9 @@ def test_a_quick_soak_recovers_every_fault_of_every_kind_and_ends_bitwise(tmp_pa
     summary = json.loads(out.read_text())["summary"]
     print(run.stdout[-3000:])  # its figures, in the test's output
     assert summary["faults"] >= 10, summary["by_kind"]
+    # Every kind landed (the seed draws each; a killed spare is replaced, which the outcomes
+    # below check: "spare not replaced" is not among them).
+    assert all(summary["by_kind"].values()), summary["by_kind"]
     assert not summary["lost"], run.stdout[-3000:]
     assert not summary["unexpected_fallbacks"], run.stdout[-3000:]
     assert not summary["failed_rounds"], run.stdout[-3000:]

@@ -64,7 +64,7 @@ class AgentConfig:
     store_tls: Optional[TlsFiles] = None   # with etcds://: the CA, client certificate and key files
     host: str = "127.0.0.1"                # the address this node's workers listen on
     log_dir: str = "peerstate-logs"
-    hang_timeout: float = 10.0             # a worker whose counter stops this long is killed
+    hang_timeout: float = 10.0             # a worker whose counter stops this long in its loop is killed
     lease_timeout: float = 3.0             # a node whose lease stops this long is lost
     spare_timeout: float = 60.0            # how long a plan waits for a spare to become ready
     join_timeout: float = 120.0            # how long nodes wait for each other at start
