@@ -47,7 +47,6 @@ import signal
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -62,13 +61,10 @@ AGENT_FLAGS = ["--lease-timeout", "1.0", "--hang-timeout", "1.0", "--spare-timeo
 
 
 def buddies() -> Dict[int, int]:
-    """rank -> its buddy (k=1), as every process of the job places it."""
-    from peerstate.replication.placement import BuddyPlacement
+    """rank -> its buddy (k=1), as every process of the job places it (the nodes are equal)."""
+    from peerstate.launcher.inject import buddies as placed
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        placement = BuddyPlacement([n for n, (workers, _) in enumerate(NODES) for _ in range(workers)], k=1)
-    return {rank: placement.holders(rank)[0] for rank in range(WORLD)}
+    return placed(WORLD, len(NODES))
 
 
 def fault_spec(args, index: int) -> str:

@@ -98,9 +98,18 @@ def _float(fields: Dict[str, str], key: str) -> Optional[float]:
     return float(fields[key]) if key in fields else None
 
 
-def _random_schedule(fields: Dict[str, str], world_size: int, nnodes: int) -> List[Fault]:
+def buddies(world_size: int, nnodes: int) -> Dict[int, int]:
+    """rank -> its buddy (k=1), as every process of a job of ``nnodes`` equal nodes places it."""
     from peerstate.replication.placement import BuddyPlacement
 
+    nproc = world_size // nnodes
+    with warnings.catch_warnings():  # one node: the buddy shares it, which the job itself says
+        warnings.simplefilter("ignore")
+        placement = BuddyPlacement([r // nproc for r in range(world_size)], k=1)
+    return {r: placement.holders(r)[0] for r in range(world_size)}
+
+
+def _random_schedule(fields: Dict[str, str], world_size: int, nnodes: int) -> List[Fault]:
     mtbf = _float(fields, "mtbf")
     if mtbf is None or mtbf <= 0:
         raise InvalidArgumentError("--inject random needs mtbf=SECONDS > 0")
@@ -112,13 +121,7 @@ def _random_schedule(fields: Dict[str, str], world_size: int, nnodes: int) -> Li
                                    f"{', '.join(KINDS + SEQUENCES)}")
     node_kills = _int(fields, "max-node-kills")
     node_kills = nnodes - 1 if node_kills is None else node_kills
-    buddy = None
-    if any(k in kinds for k in SEQUENCES[1:]):
-        nproc = world_size // nnodes
-        with warnings.catch_warnings():  # one node: the buddy shares it, which the job itself says
-            warnings.simplefilter("ignore")
-            placement = BuddyPlacement([r // nproc for r in range(world_size)], k=1)
-        buddy = {r: placement.holders(r)[0] for r in range(world_size)}
+    buddy = buddies(world_size, nnodes) if any(k in kinds for k in SEQUENCES[1:]) else None
     draw = random.Random(_int(fields, "seed") or 0)
     faults: List[Fault] = []
     at = 0.0
