@@ -13,7 +13,7 @@ def agent_config(args: argparse.Namespace, environ: Mapping[str, str]):
     the flags leave out); InvalidArgumentError naming what is missing."""
     from peerstate.control.etcd_store import TlsFiles
     from peerstate.errors import InvalidArgumentError
-    from peerstate.launcher.agent import AgentConfig
+    from peerstate.launcher.config import AgentConfig
     from peerstate.launcher.cluster_env import slurm_defaults
 
     for name, value in slurm_defaults(environ).items():
@@ -33,7 +33,8 @@ def agent_config(args: argparse.Namespace, environ: Mapping[str, str]):
                        join_timeout=args.join_timeout, checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, inject=args.inject, secret_file=args.secret_file,
                        frame_protection=args.frame_protection, job_id=args.job_id, store_timeout=args.store_timeout,
-                       store_tls=TlsFiles(args.store_cacert, args.store_cert, args.store_key))
+                       store_tls=TlsFiles(args.store_cacert, args.store_cert, args.store_key),
+                       preload=[m.strip() for m in args.preload.split(",") if m.strip()])
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -124,6 +125,11 @@ def parser() -> argparse.ArgumentParser:
                      help="inject a fault, e.g. kill:rank=2:step=10, hang:rank=1:time=30, "
                           "kill-node:node=1:step=20, kill-spare:node=0:time=12, random:mtbf=20:seed=7:max=3 "
                           "(repeatable; peerstate.launcher.inject lists the kinds)")
+    run.add_argument("--preload", default="torch,peerstate.worker.job", metavar="MODULES",
+                     help="modules this node's fork server imports once; every worker and spare is forked from it, "
+                          "ready in the time its script takes to reach peerstate.Job() instead of an interpreter's "
+                          "start and torch's import (comma-separated; add your script's heavy imports; '' starts "
+                          "each worker with its own interpreter, as torchrun does)")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(handler=_run)

@@ -88,7 +88,8 @@ def test_a_bad_secret_is_an_error_that_says_what_is_wrong(text, match):
 
 
 def test_a_bad_secret_stops_the_agent_before_any_worker_starts(monkeypatch, tmp_path):
-    from peerstate.launcher.agent import Agent, AgentConfig
+    from peerstate.launcher.agent import Agent
+    from peerstate.launcher.config import AgentConfig
 
     monkeypatch.setenv("PEERSTATE_SECRET", "0123")
     with pytest.raises(InvalidArgumentError, match="PEERSTATE_SECRET holds 2 bytes"):
@@ -118,7 +119,8 @@ def test_the_secret_comes_from_the_environment_or_a_file_never_from_the_store(tm
 
 
 def test_a_two_node_agent_without_a_secret_stops_before_any_worker_starts(monkeypatch, tmp_path):
-    from peerstate.launcher.agent import Agent, AgentConfig
+    from peerstate.launcher.agent import Agent
+    from peerstate.launcher.config import AgentConfig
 
     monkeypatch.delenv("PEERSTATE_SECRET", raising=False)
     with pytest.raises(InvalidArgumentError, match="needs one secret on every node"):

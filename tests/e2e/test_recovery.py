@@ -259,6 +259,22 @@ def test_a_failure_after_other_ranks_finished_stops_at_once_and_says_why(run):
     assert not recoveries(job)
 
 
+def test_a_rank_lost_before_its_first_boundary_stops_the_job_at_once_and_says_why(run):
+    # Rank 1 stops after step 0's collectives, before its first boundary (which publishes the
+    # size of its state and sends its first copy); rank 3, its buddy, waits for that size at its
+    # own first boundary. A kill of rank 1 used to leave rank 3 in that wait until its abort
+    # deadline, and the job with it; the new epoch now ends the wait, every member reports, and
+    # the job stops at once: rank 1's state has no copy yet (and there is no checkpoint).
+    job = run(script_args=["--hold-after", "1:0", "--abort-timeout", "20"])
+    job.wait_for(lambda: "rank 1 holds after step 0" in job.text(), "rank 1 to hold")
+    job.kill_rank(1)
+    assert job.wait(timeout=60) == [1, 1], job.describe()
+    summary = "".join(log.read_text() for log in job.agent_logs)
+    assert "rank 1 has no committed copy on any holder yet" in summary, summary
+    assert [p["failed"] for p in job.events("plan")] == [[1]], job.describe()
+    assert not job.events("abort_deadline_missed"), job.describe()
+
+
 def test_a_loop_that_cannot_leave_its_call_gives_its_rank_to_a_spare(run, reference):
     # Rank 0 sleeps at step 5 (as in a call no abort can wake) while rank 3 is killed.
     # The others wait for rank 0 in the new epoch; after abort_timeout rank 0 exits on
@@ -346,6 +362,19 @@ def test_a_rank_that_dies_of_an_exception_in_its_loop_is_recovered(run, referenc
     assert raised["rank"] == 1 and raised["step"] == 8 and "told to fail" in raised["error"], raised
     interrupted = job.events("step_interrupted")
     assert interrupted and not [e for e in interrupted if "Timed out" in (e["error"] or "")], interrupted
+
+
+def test_a_script_error_that_every_replacement_meets_again_stops_the_job_loudly(run):
+    # Each replacement replays the step and raises again: without the count, the job handed the
+    # rank to every spare in turn (refilled, with the fork server, in about a second) for ever.
+    job = run(nodes=[(2, 2), (2, 0)], steps=10_000, script_args=["--raise-at", "1:8:always"])
+    assert job.wait() == [1, 1], job.describe()
+    raised = job.events("step_raised")
+    assert [(e["rank"], e["step"]) for e in raised] == [(1, 8)] * 3, raised
+    summary = job.agent_logs[0].read_text()
+    assert "3 of its workers have now raised in that step" in summary and "rank 1 was told to fail in step 8" \
+        in summary, summary
+    assert len(job.events("plan")) == 2, job.describe()  # the first two errors were recovered from
 
 
 def test_a_new_job_resumes_from_the_newest_checkpoint_of_the_same_directory(run, reference, tmp_path):

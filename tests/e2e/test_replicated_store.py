@@ -13,7 +13,6 @@ torch = pytest.importorskip("torch")
 
 from helpers.etcd import CuttableLink, EtcdCluster, make_tls  # noqa: E402
 from helpers.jobs import FAST, STEPS, Job, assert_bitwise  # noqa: E402
-from peerstate.tools.local import processes_with_env  # noqa: E402
 
 @pytest.fixture
 def etcd(tmp_path, request):
@@ -78,7 +77,7 @@ def test_a_store_gone_past_its_bound_stops_every_agent_and_keeps_the_checkpoints
         assert "cannot go on" in summary and f"{etcd.endpoints[0]} (TLS)" in summary and "for 2s" in summary, summary
         assert f"checkpoints in {checkpoints} are kept" in summary, summary
     # nothing of the job is left, and what was checkpointed is still there
-    assert not [pid for n in range(2) for k in range(3) for pid in processes_with_env("PEERSTATE_WORKER", f"n{n}.{k}")]
+    assert not job.leftover_processes()
     assert saved and all((checkpoints / p).is_file() for p in saved)
     assert not job.events("plan")  # no agent planned a recovery out of a lost store
 

@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from peerstate.tools.local import LocalJob, processes_with_env
+from peerstate.tools.local import LocalJob, alive
 
 TRAIN_SCRIPT = Path(__file__).with_name("train_job.py")
 STEPS = 40  # of the recovery tests' jobs and their fault-free reference (tests/e2e/conftest.py)
@@ -55,9 +55,8 @@ class Job(LocalJob):
 
     def spare_pids(self):
         """Pids of the spares waiting now (from the event log and /proc)."""
-        ready = {e["source"] for e in self.events("spare_ready")}
         assigned = {e["source"] for e in self.events("spare_assigned")}
-        return [pid for worker in ready - assigned for pid in processes_with_env("PEERSTATE_WORKER", worker)]
+        return [e["pid"] for e in self.events("spare_ready") if e["source"] not in assigned and alive(e["pid"])]
 
     def _fault(self, what):
         line = json.dumps({"time": time.time(), "event": "fault_injected", "source": "test", "fault": what})

@@ -31,8 +31,9 @@ parser.add_argument("--hold", default=None, metavar="RANK:STEP",
                     help="RANK sleeps at the start of STEP, in its first life only (a call no abort wakes)")
 parser.add_argument("--hold-after", default=None, metavar="RANK:STEP",
                     help="RANK sleeps at the end of STEP, after its collectives and optimizer step (first life only)")
-parser.add_argument("--raise-at", default=None, metavar="RANK:STEP",
-                    help="RANK raises an exception in STEP, in an initial worker only (its replacement does not)")
+parser.add_argument("--raise-at", default=None, metavar="RANK:STEP[:always]",
+                    help="RANK raises an exception in STEP, in an initial worker only (its replacement does not), "
+                         "or with :always in every worker that holds RANK")
 parser.add_argument("--hold-gil", default=None, metavar="RANK:SECONDS",
                     help="RANK holds the GIL for SECONDS before its first step, as some of torch's setup "
                          "collectives do while they wait for a slower peer (its heartbeat thread stands still)")
@@ -69,7 +70,8 @@ if args.init_process_group == "after":
 hold_rank, hold_step = map(int, args.hold.split(":")) if args.hold else (None, None)
 late_rank, late_step = map(int, args.hold_after.split(":")) if args.hold_after else (None, None)
 busy_rank, busy_step, busy_seconds = (float(v) for v in args.busy.split(":")) if args.busy else (None, None, 0)
-raise_rank, raise_step = map(int, args.raise_at.split(":")) if args.raise_at else (None, None)
+raise_rank, raise_step = map(int, args.raise_at.split(":")[:2]) if args.raise_at else (None, None)
+raise_always = bool(args.raise_at) and args.raise_at.endswith(":always")
 LAUNCH_VARIABLES = ("PEERSTATE_ROLE", "RANK", "LOCAL_RANK", "OMP_NUM_THREADS")
 print("environment before track:", " ".join(f"{v}={os.environ.get(v, '-')}" for v in LAUNCH_VARIABLES), flush=True)
 if args.read_rank_early:
@@ -137,7 +139,7 @@ def train_step(step):
     if job.rank == hold_rank and step == hold_step and job.recoveries == 0:
         print(f"rank {job.rank} holds at step {step}", flush=True)
         time.sleep(600)
-    if job.rank == raise_rank and step == raise_step and os.environ["PEERSTATE_ROLE"] == "worker":
+    if job.rank == raise_rank and step == raise_step and (raise_always or os.environ["PEERSTATE_ROLE"] == "worker"):
         raise RuntimeError(f"rank {job.rank} was told to fail in step {step}")
     if job.rank == busy_rank and step == busy_step:
         print(f"rank {job.rank} busy for {busy_seconds}s in step {step}", flush=True)

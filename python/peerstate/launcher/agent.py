@@ -1,6 +1,7 @@
 """The node agent behind ``peerstate run``: one per node.
 
-It starts this node's workers and hot spares, sees a worker die at once
+It starts this node's workers and hot spares (forked from its fork server,
+``launcher.fork_server``, unless ``--preload ''``), sees a worker die at once
 (every few milliseconds: ``waitpid``, and before that the kernel's own mark of
 a process that has begun to exit, see ``ExitWatch``), sees a
 worker freeze through its progress counter in shared memory, keeps this node's
@@ -25,7 +26,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -33,7 +33,6 @@ from peerstate.control import keys
 from peerstate.control import progress as progress_file
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, WorkerEnvironment, job_secret
-from peerstate.control.etcd_store import DEFAULT_UNAVAILABLE_TIMEOUT, TlsFiles
 from peerstate.control.kvstore import TorchKeyValueStore
 from peerstate.control.node_relay import NodeRelay
 from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
@@ -42,55 +41,14 @@ from peerstate.control.timeline import EventLog
 from peerstate.errors import InvalidArgumentError, JobFailedError, StoreUnavailableError
 from peerstate.launcher.inject import Fault, FaultInjector
 from peerstate.control.leases import LeaseWatch
+from peerstate.launcher.config import AgentConfig
+from peerstate.launcher.fork_server import ForkServer
 from peerstate.launcher.processes import WorkerProcess, describe_exit, die_with_parent, log_tail
-from peerstate.launcher.store_connection import check_store_flags, open_job_store
+from peerstate.launcher.store_connection import open_job_store
 
 POLL_SECONDS = 0.005
 WATCH_SECONDS = 0.1
 SPARE_START_ATTEMPTS = 3  # spares in a row whose script fails before they are ready: then the job stops
-
-
-@dataclass
-class AgentConfig:
-    script: List[str]                      # the script and its arguments
-    nproc_per_node: int
-    spares: int = 0
-    nnodes: int = 1
-    node_rank: int = 0
-    store: str = "127.0.0.1:0"             # HOST:PORT of a TCPStore node 0 hosts (port 0: any free port),
-                                           # or etcd://HOST:PORT[,HOST:PORT...] of an etcd cluster
-    job_id: Optional[str] = None           # with etcd: the job's keys are under /peerstate/<job_id>/
-    store_timeout: float = DEFAULT_UNAVAILABLE_TIMEOUT  # with etcd: how long it may not answer
-    store_tls: Optional[TlsFiles] = None   # with etcds://: the CA, client certificate and key files
-    host: str = "127.0.0.1"                # the address this node's workers listen on
-    log_dir: str = "peerstate-logs"
-    hang_timeout: float = 10.0             # a worker whose counter stops this long in its loop is killed
-    lease_timeout: float = 3.0             # a node whose lease stops this long is lost
-    spare_timeout: float = 60.0            # how long a plan waits for a spare to become ready
-    join_timeout: float = 120.0            # how long nodes wait for each other at start
-    checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 0
-    secret_file: Optional[str] = None      # the job secret, when PEERSTATE_SECRET is not set
-    frame_protection: str = "authenticated"  # of the replication frames, the same on every node
-    inject: List[str] = field(default_factory=list)  # fault specs (peerstate.launcher.inject)
-    extra_env: Dict[str, str] = field(default_factory=dict)
-
-    def validate(self) -> None:
-        if self.nproc_per_node < 1:
-            raise InvalidArgumentError(f"--nproc-per-node must be >= 1 (got {self.nproc_per_node})")
-        if not 0 <= self.spares <= self.nproc_per_node:
-            raise InvalidArgumentError(
-                f"--spares {self.spares} is not allowed: a node may keep 0 to --nproc-per-node "
-                f"({self.nproc_per_node}) hot spares, one per worker slot; each spare is a full process "
-                "(and, on GPU nodes, needs its own device)")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise InvalidArgumentError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes)")
-        if not self.script:
-            raise InvalidArgumentError("give the training script to run: peerstate run [options] script.py [args]")
-        if self.frame_protection not in ("authenticated", "encrypted", "trusted-fabric"):
-            raise InvalidArgumentError(f"--frame-protection must be authenticated, encrypted or trusted-fabric (got "
-                                       f"{self.frame_protection!r})")
-        check_store_flags(self.store, self.job_id, self.store_timeout)
 
 
 class Agent:
@@ -115,13 +73,16 @@ class Agent:
         self._job_started: Optional[float] = None
         self._spares_wanted = 0
         self._spare_start_failures = 0  # spares in a row whose script failed before they were ready
-        self._dying: List[subprocess.Popen] = []  # failed workers whose exit has not completed yet
+        self._dying: list = []  # failed workers (Popen, ForkedProcess) whose exit has not completed yet
         self._fenced_reason: Optional[str] = None
         self._relay_stop: Optional[threading.Event] = None
+        self._forks: Optional[ForkServer] = None  # see launcher.fork_server (None until the first worker)
 
     # -- start ----------------------------------------------------------------------
     def run(self) -> int:
         try:
+            if self.config.preload:
+                self._fork_server()  # its imports overlap the nodes' join
             self._connect()
             self._spawn_initial()
             return self._watch()
@@ -220,13 +181,7 @@ class Agent:
         config = self.config
         counter_path = self._progress_dir / f"peerstate-{os.getpid()}-{worker}.progress"
         progress_file.create(str(counter_path))
-        env = dict(os.environ)
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the watcher's timed-out waits are not news
-        if config.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in env:
-            env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds where --host says, not the hostname's address
-        if config.nproc_per_node > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N processes of all-core OpenMP pools thrash
-        env.update(config.extra_env)
+        env = self._common_env()
         env.update(WorkerEnvironment(
             store=self.store_address, worker=worker, spare=rank is None, world_size=self.world_size,
             nproc_per_node=config.nproc_per_node, node=self.node, host=config.host, progress=str(counter_path),
@@ -234,10 +189,37 @@ class Agent:
             checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
             protection=config.frame_protection, node_store=f"127.0.0.1:{self.channel.port}").to_env())
         log = self.log_dir / f"{worker}.log"
-        with open(log, "ab") as out:
-            popen = subprocess.Popen([sys.executable, *config.script], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
+        if config.preload:
+            popen = self._fork_server().spawn(config.script, env, str(log))
+        else:
+            with open(log, "ab") as out:
+                popen = subprocess.Popen([sys.executable, *config.script], env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=die_with_parent)
         self.processes[worker] = WorkerProcess(worker, rank, popen, ProgressCounter(str(counter_path)), log)
+
+    def _common_env(self) -> Dict[str, str]:
+        """The environment every worker of this node shares (its own part is added by _spawn)."""
+        env = dict(os.environ)
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the watcher's timed-out waits are not news
+        if self.config.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in env:
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds where --host says, not the hostname's address
+        if self.config.nproc_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N processes of all-core OpenMP pools thrash
+        env.update(self.config.extra_env)
+        return env
+
+    def _fork_server(self) -> ForkServer:
+        """This node's fork server, started on first use (again if it died: what it had
+        started died with it and is reported as killed)."""
+        if self._forks is None or not self._forks.alive():
+            if self._forks is not None:
+                self._forks.close()
+            # The job's event log in its environment marks the server, and what it forks (whose
+            # /proc/PID/environ is the server's), as this job's processes.
+            env = dict(self._common_env(), PEERSTATE_EVENTS=str(self.log_dir / "events.jsonl"))
+            self._forks = ForkServer(self.config.preload, env, str(self.log_dir / f"fork-server-{self.node}.log"))
+        return self._forks
 
     # -- watch ----------------------------------------------------------------------
     def _watch(self) -> int:
@@ -512,3 +494,6 @@ class Agent:
         for popen in self._dying:
             popen.wait()
         self._dying.clear()
+        if self._forks is not None:
+            self._forks.close()
+            self._forks = None

@@ -187,7 +187,8 @@ class Job:
                                   self.placement, env.world_size, join_timeout, failure_grace)
         self.regroup = BusyPeerRegroup(self.coordinator, self.groups, self.events, f"agent{env.node}", env.worker,
                                        env.world_size, abort_timeout, join_timeout)
-        self.aborts = AbortHandler(self.membership, [self.groups.abort, self._abort_transfers], self.events,
+        self.aborts = AbortHandler(self.membership, [self.groups.abort, self._abort_transfers,
+                                                     self.boundary.on_new_epoch], self.events,
                                    abort_timeout, on_abort=self.report.marks.clear)
         self.replication: Optional[Replication] = None
         self.watcher: Optional[EpochWatcher] = None
@@ -396,7 +397,7 @@ class Job:
         if self.rank is not None:
             return self.rank
         self.coordinator.register_spare(self.worker)
-        self.events.write("spare_ready")
+        self.events.write("spare_ready", pid=os.getpid())
         key = keys.assignment(self.worker)
         while True:
             try:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.progress import ProgressCounter
 from peerstate.control.timeline import EventLog
+from peerstate.errors import AbortedError
 from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.worker.checkpoint import DiskCheckpoints
@@ -21,6 +22,7 @@ from peerstate.worker.report import RecoveryReport
 from peerstate.worker.tracked_state import TrackedState
 
 if TYPE_CHECKING:
+    from peerstate.control.coordinator import Coordinator
     from peerstate.worker.joiner import EpochJoiner
     from peerstate.worker.regroup import BusyPeerRegroup
 
@@ -31,11 +33,24 @@ def publish_size(kv: KeyValueStore, rank: int, tracked: TrackedState) -> None:
 
 
 def reserve_replicas(kv: KeyValueStore, replication: Replication, placement: BuddyPlacement, rank: int,
-                     timeout: float, background: bool = False) -> None:
+                     timeout: float, background: bool = False, moot: Callable[[], bool] = lambda: False) -> None:
     """Account (and allocate) the replicas of the ranks this rank serves, once they
-    published their sizes (``publish_size``)."""
+    published their sizes (``publish_size``). Raises AbortedError as soon as
+    ``moot()`` says a new epoch began (a served rank that died before publishing
+    never will), TimeoutError after ``timeout``."""
     served = placement.served_by(rank)
-    kv.wait([keys.replica_bytes(r) for r in served], timeout=timeout)
+    names = [keys.replica_bytes(r) for r in served]
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kv.wait(names, timeout=min(0.25, max(deadline - time.monotonic(), 0.001)))
+            break
+        except TimeoutError:
+            if moot():
+                raise AbortedError(f"rank {rank}: a new epoch began while it waited for the replica sizes of "
+                                   f"ranks {served}") from None
+            if time.monotonic() >= deadline:
+                raise
     sizes = {r: int(kv.get(keys.replica_bytes(r))) for r in served}
     if background:
         threading.Thread(target=replication.reserve, args=(sizes,), name="peerstate-reserve", daemon=True).start()
@@ -65,6 +80,8 @@ class StepBoundary:
         self.replication: Optional[Replication] = None  # set once this process has a rank
         self._pending_version: Optional[int] = None  # snapshotted, not yet replicated
         self._failing_holders: Dict[int, Optional[str]] = {}  # holder -> why its last push failed
+        self._newest_epoch = 0  # the newest epoch the abort path has seen begin (on_new_epoch)
+        self._reserve_interrupted = False  # register()'s wait for the replica sizes ended by a new epoch
 
     @property
     def rank(self) -> Optional[int]:
@@ -78,6 +95,8 @@ class StepBoundary:
             self._progress.set_step(step)
         if not self.tracked.registered:
             self.register()
+        elif self._reserve_interrupted:
+            self._reserve_replicas()  # the first try ended with a new epoch
         if self.capture and step % self.snapshot_every == 0:
             self.start_replication()  # no optimizer hook ran (no optimizer tracked)
             for store in self.tracked.snapshotted(self.rank):
@@ -93,7 +112,19 @@ class StepBoundary:
         self.tracked.register(self.rank)
         self.replication_serves_shares()
         publish_size(self._kv, self.rank, self.tracked)
-        reserve_replicas(self._kv, self.replication, self._placement, self.rank, self._join_timeout)
+        self._reserve_replicas()
+
+    def _reserve_replicas(self) -> None:
+        epoch = self._membership.epoch
+        self._reserve_interrupted = True  # until it returns: the next boundary tries again
+        reserve_replicas(self._kv, self.replication, self._placement, self.rank, self._join_timeout,
+                         moot=lambda: self._newest_epoch > epoch)
+        self._reserve_interrupted = False
+
+    def on_new_epoch(self, epoch: int) -> None:
+        """The abort path (``AbortHandler``): a wait at the boundary for epoch ``epoch``'s
+        predecessors ends now."""
+        self._newest_epoch = max(self._newest_epoch, epoch)
 
     def replication_serves_shares(self) -> None:
         """Serve (and pull into) every data-parallel share store from this rank's one endpoint."""
@@ -166,6 +197,24 @@ def raised_by_a_peer_failure(error: BaseException) -> bool:
     return False
 
 
+# Workers of one rank that raised their own error in the same step: then the job stops. Each
+# replacement replays the step; a script that fails it every time would take every spare in turn.
+SCRIPT_ERROR_REPEATS = 3
+
+
+def stop_if_raised_again(kv: KeyValueStore, coordinator: "Coordinator", rank: int, step: int,
+                         error: BaseException) -> None:
+    """Count the script's own error in ``step`` (in the job's store: the replacement
+    that replays the step may be on another node) and stop the job at the
+    SCRIPT_ERROR_REPEATS-th: a deterministic error, which no spare can fix."""
+    repeats = kv.add(keys.script_errors(rank, step), 1)
+    if repeats >= SCRIPT_ERROR_REPEATS:
+        coordinator.fail_job(f"rank {rank} raised {type(error).__name__}: {str(error)[:300]} in step {step}, and "
+                             f"{repeats} of its workers have now raised in that step (each replacement replayed it "
+                             "and raised again): the script's own error, which no spare can fix. The job stops "
+                             "rather than hand the rank to every spare in turn; the traceback is in the rank's log")
+
+
 class StepGuard:
     """One step's body (``Job.guard``): on a clean exit the step boundary runs; a
     failure inside, once the coordinator declared it, becomes a recovery. The
@@ -199,6 +248,7 @@ class StepGuard:
             if not raised_by_a_peer_failure(exc) and joiner.watcher.latest.epoch == epoch:
                 self._events.write("step_raised", step=step, epoch=epoch, rank=self._membership.rank,
                                    error=f"{exc_type.__name__}: {str(exc)[:200]}")
+                stop_if_raised_again(joiner.kv, joiner.coordinator, self._membership.rank, step, exc)
                 return False
             self._regroup.note(exc, epoch, self._membership.rank)
             if not joiner.failure_declared(epoch) and \

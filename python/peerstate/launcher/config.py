@@ -1,0 +1,58 @@
+"""What ``peerstate run`` starts a node's agent with (``AgentConfig``), checked
+before anything starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from peerstate.control.etcd_store import DEFAULT_UNAVAILABLE_TIMEOUT, TlsFiles
+from peerstate.errors import InvalidArgumentError
+from peerstate.launcher.fork_server import DEFAULT_PRELOAD
+from peerstate.launcher.store_connection import check_store_flags
+
+
+@dataclass
+class AgentConfig:
+    script: List[str]                      # the script and its arguments
+    nproc_per_node: int
+    spares: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    store: str = "127.0.0.1:0"             # HOST:PORT of a TCPStore node 0 hosts (port 0: any free port),
+                                           # or etcd://HOST:PORT[,HOST:PORT...] of an etcd cluster
+    job_id: Optional[str] = None           # with etcd: the job's keys are under /peerstate/<job_id>/
+    store_timeout: float = DEFAULT_UNAVAILABLE_TIMEOUT  # with etcd: how long it may not answer
+    store_tls: Optional[TlsFiles] = None   # with etcds://: the CA, client certificate and key files
+    host: str = "127.0.0.1"                # the address this node's workers listen on
+    log_dir: str = "peerstate-logs"
+    hang_timeout: float = 10.0             # a worker whose counter stops this long in its loop is killed
+    lease_timeout: float = 3.0             # a node whose lease stops this long is lost
+    spare_timeout: float = 60.0            # how long a plan waits for a spare to become ready
+    join_timeout: float = 120.0            # how long nodes wait for each other at start
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    secret_file: Optional[str] = None      # the job secret, when PEERSTATE_SECRET is not set
+    frame_protection: str = "authenticated"  # of the replication frames, the same on every node
+    inject: List[str] = field(default_factory=list)  # fault specs (peerstate.launcher.inject)
+    extra_env: Dict[str, str] = field(default_factory=dict)
+    # Modules a node's fork server imports once, its workers forked from it (launcher.fork_server);
+    # empty: each worker starts its own interpreter.
+    preload: List[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
+
+    def validate(self) -> None:
+        if self.nproc_per_node < 1:
+            raise InvalidArgumentError(f"--nproc-per-node must be >= 1 (got {self.nproc_per_node})")
+        if not 0 <= self.spares <= self.nproc_per_node:
+            raise InvalidArgumentError(
+                f"--spares {self.spares} is not allowed: a node may keep 0 to --nproc-per-node "
+                f"({self.nproc_per_node}) hot spares, one per worker slot; each spare is a full process "
+                "(and, on GPU nodes, needs its own device)")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise InvalidArgumentError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes)")
+        if not self.script:
+            raise InvalidArgumentError("give the training script to run: peerstate run [options] script.py [args]")
+        if self.frame_protection not in ("authenticated", "encrypted", "trusted-fabric"):
+            raise InvalidArgumentError(f"--frame-protection must be authenticated, encrypted or trusted-fabric (got "
+                                       f"{self.frame_protection!r})")
+        check_store_flags(self.store, self.job_id, self.store_timeout)

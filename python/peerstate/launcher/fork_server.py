@@ -1,0 +1,293 @@
+"""Workers and spares forked from one process that has imported torch already.
+
+A worker's interpreter start and ``import torch`` take 2-4 s of a busy core;
+a node paid them for every worker, every spare and every refill, and a
+recovery that needed a spare being refilled waited for them. The agent
+instead starts one *fork server* per node (``python -m
+peerstate.launcher.fork_server``): it imports the ``preload`` modules once,
+then forks a child per request, which becomes the script as ``python
+script.py ARGS`` would run it (``runpy.run_path`` as ``__main__``, the
+request's argv, environment, working directory and log; its own session;
+SIGKILL when its parent dies). A spare is then ready in the time its script
+takes to reach ``peerstate.Job()``.
+
+What differs from a fresh interpreter, on purpose and said here: modules
+preloaded are imported once with the server's environment (the per-worker
+variables, ``PEERSTATE_*``, ``RANK`` and the like, are set before the
+script runs: torch reads them at ``init_process_group``, not at import);
+numpy's global random state is reseeded in each child (Python's ``random``
+reseeds itself at fork); the hash seed is the server's, the same in every
+worker. The server never initialises CUDA (it refuses to fork once CUDA is
+initialised: a forked CUDA context is unusable), and it runs no thread of its
+own (numpy's OpenBLAS pool has its own fork handlers).
+
+The agent's side is ``ForkServer`` (start, ``spawn``) and ``ForkedProcess``,
+which answers as ``subprocess.Popen`` does (``pid``, ``poll``, ``wait``,
+``returncode``): the server is the workers' parent and reaps them, and tells
+the agent each exit status over their socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import Dict, List, Mapping, Optional
+
+from peerstate.errors import JobFailedError
+from peerstate.launcher.processes import die_with_parent
+
+DEFAULT_PRELOAD = ("torch", "peerstate.worker.job")
+
+
+class ForkedProcess:
+    """A worker the fork server started, seen as ``subprocess.Popen`` sees a child.
+
+    ``poll()`` never blocks; ``wait()`` blocks until the server reports the exit
+    (the server reports every child it reaps; if the server itself is gone, its
+    children died with it, by SIGKILL)."""
+
+    def __init__(self, server: "ForkServer", request: int, pid: int) -> None:
+        self._server = server
+        self._request = request
+        self.pid = pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self._request)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.poll() is None:
+            code = self._server.wait_exit(self._request, timeout)
+            if code is None:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            self.returncode = code
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The agent's handle on its node's fork server (see the module docstring).
+
+    ``spawn`` blocks until the server has forked (the first call also waits for its
+    preload, a few seconds); it raises JobFailedError when the server is gone or
+    cannot fork (its preload failed: the reason is in ``log``). Thread-safe: the
+    agent's loop spawns, a reader thread takes the server's answers."""
+
+    def __init__(self, preload: List[str], env: Mapping[str, str], log: str) -> None:
+        self.preload = list(preload)
+        self.log = log
+        ours, theirs = socket.socketpair()
+        with open(log, "ab") as out:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-m", "peerstate.launcher.fork_server", "--fd", str(theirs.fileno()),
+                 "--preload", ",".join(self.preload)],
+                env=dict(env), pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        theirs.close()
+        self._socket = ours
+        self._changed = threading.Condition()
+        self._started: Dict[int, int] = {}   # request id -> pid
+        self._exits: Dict[int, int] = {}     # request id -> exit status (Popen.returncode form), pids are reused
+        self._error: Optional[str] = None    # why the server cannot fork (its own words), or that it is gone
+        self._next_request = 0
+        self._send = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="fork-server", daemon=True)
+        self._reader.start()
+
+    def alive(self) -> bool:
+        with self._changed:
+            return self._error is None
+
+    def spawn(self, argv: List[str], env: Mapping[str, str], log: str, timeout: float = 120.0) -> ForkedProcess:
+        """Start ``python argv...`` (argv[0] the script) as a child of the server."""
+        open(log, "ab").close()  # there once spawn returns, as with Popen's stdout
+        with self._send:
+            request = self._next_request
+            self._next_request += 1
+            message = {"id": request, "argv": list(argv), "env": dict(env), "log": log, "cwd": os.getcwd()}
+            try:
+                self._socket.sendall(json.dumps(message).encode() + b"\n")
+            except OSError as error:
+                raise JobFailedError(f"the fork server is gone ({error}); its output is in {self.log}") from None
+        with self._changed:
+            if not self._changed.wait_for(lambda: request in self._started or self._error, timeout):
+                raise JobFailedError(f"the fork server did not start a worker within {timeout:.0f}s "
+                                     f"(its output is in {self.log})")
+            if request not in self._started:
+                raise JobFailedError(f"the fork server cannot start workers: {self._error}")
+            return ForkedProcess(self, request, self._started.pop(request))
+
+    def exit_code(self, request: int) -> Optional[int]:
+        with self._changed:
+            return self._exits.get(request)
+
+    def wait_exit(self, request: int, timeout: Optional[float]) -> Optional[int]:
+        with self._changed:
+            self._changed.wait_for(lambda: request in self._exits, timeout)
+            return self._exits.get(request)
+
+    def close(self) -> None:
+        """Stop the server (its children, if any are left, die with it)."""
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self._popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._popen.kill()
+            self._popen.wait()
+        self._reader.join(timeout=5)
+        self._socket.close()
+
+    def _read(self) -> None:
+        buffer = b""
+        pending: List[int] = []
+        while True:
+            try:
+                data = self._socket.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            with self._changed:
+                for line in lines:
+                    message = json.loads(line)
+                    if "started" in message:
+                        self._started[message["started"]] = message["pid"]
+                        pending.append(message["started"])
+                    elif "exited" in message:
+                        self._exits[message["exited"]] = message["code"]
+                    elif "error" in message:
+                        self._error = message["error"]
+                self._changed.notify_all()
+        with self._changed:
+            # PR_SET_PDEATHSIG: whatever the server had started died with it.
+            for request in pending:
+                self._exits.setdefault(request, -signal.SIGKILL)
+            self._error = self._error or f"the fork server exited (its output is in {self.log})"
+            self._changed.notify_all()
+
+
+# -- the server -----------------------------------------------------------------------
+def _serve(channel: socket.socket) -> dict:
+    """Fork a child per request and report each child's exit, until the agent closes
+    the channel (then exit). Returns only in a child, with its request."""
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd is written
+    signal.set_wakeup_fd(wake_write)
+    children: Dict[int, int] = {}  # pid -> request id
+    buffer = b""
+    while True:
+        try:
+            readable, _, _ = select.select([channel, wake_read], [], [])
+        except InterruptedError:
+            continue
+        if wake_read in readable:
+            os.read(wake_read, 4096)
+        _report_exits(channel, children)
+        if channel not in readable:
+            continue
+        data = channel.recv(65536)
+        if not data:
+            os._exit(0)  # the agent is done (or gone): the children die with this process
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_read)
+                os.close(wake_write)
+                channel.close()
+                return request
+            children[pid] = request["id"]
+            _send(channel, {"started": request["id"], "pid": pid})
+
+
+def _report_exits(channel: socket.socket, children: Dict[int, int]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(channel, {"exited": children.pop(pid, -1), "code": os.waitstatus_to_exitcode(status)})
+
+
+def _send(channel: socket.socket, message: dict) -> None:
+    channel.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _become(request: dict, server: int) -> None:
+    """In the child: become ``python argv...`` with the request's environment and log."""
+    os.setsid()
+    die_with_parent()
+    if os.getppid() != server:  # the server died between the fork and the prctl
+        os._exit(128 + signal.SIGKILL)
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # fresh entropy, as a new interpreter would draw
+    script = request["argv"][0]
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    import runpy
+
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description="peerstate's fork server (started by the agent)")
+    parser.add_argument("--fd", type=int, required=True, help="the socket to the agent")
+    parser.add_argument("--preload", default=",".join(DEFAULT_PRELOAD))
+    args = parser.parse_args(argv)
+    channel = socket.socket(fileno=args.fd)
+    die_with_parent()
+    try:
+        for module in filter(None, args.preload.split(",")):
+            importlib.import_module(module)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            raise RuntimeError("CUDA was initialised while preloading; a forked CUDA context is unusable")
+    except BaseException as error:  # noqa: BLE001 - said to the agent, which stops the job with it
+        _send(channel, {"error": f"preloading {args.preload!r} failed: {type(error).__name__}: {error} (start "
+                                 "workers with their own interpreter: peerstate run --preload '')"})
+        raise
+    server = os.getpid()
+    request = _serve(channel)
+    _become(request, server)
+
+
+if __name__ == "__main__":
+    main()
