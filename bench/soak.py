@@ -34,8 +34,9 @@ Measured: all of it, on this machine's 2 cores. Each step sleeps up to
 ``--step-seconds`` (0.1 s), standing in for compute, so that a round's length
 is known in steps; the reference runs unpaced (the pacing changes no value).
 
-    python bench/soak.py              # >= 100 faults, about 15 minutes; bench/results/soak.json
+    python bench/soak.py              # >= 100 faults: 31 min of rounds, 15 min of reference; results/soak.json
     python bench/soak.py --quick      # >= 10 faults in one round, mtbf 5 s (tests/e2e/test_soak.py runs it)
+    python bench/soak.py --keep DIR --reanalyse   # a kept soak analysed again from its event logs
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -83,6 +86,9 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
                    agent_args=[*AGENT_FLAGS, "--job-id", f"soak-{args.seed}-{index}", "--checkpoint-dir",
                                str(workdir / "checkpoints"), "--checkpoint-every", str(args.checkpoint_every),
                                "--inject", fault_spec(args, index)], store=etcd.url)
+    (workdir / f"round{index}").mkdir(parents=True, exist_ok=True)
+    (workdir / f"round{index}" / "round.json").write_text(json.dumps({"steps": total_steps,
+                                                                       "spec": fault_spec(args, index)}))
     memory: Dict[int, List[int]] = {}  # pid -> its resident bytes after each recovery
     seen = 0
     try:
@@ -111,6 +117,30 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
                             else None)}
 
 
+def reread_rounds(workdir: Path) -> tuple:
+    """(rounds, total steps) of a soak kept in ``workdir`` (``--keep``), from each round's
+    event log: what ``run_round`` returns, less what it sampled live (workers' memory,
+    processes left behind, the agents' exit codes: None, not measured)."""
+    from peerstate.control.timeline import read_events
+
+    rounds, steps = [], 0
+    while (workdir / f"round{len(rounds)}" / "logs" / "events.jsonl").exists():
+        folder = workdir / f"round{len(rounds)}"
+        events = read_events(str(folder / "logs" / "events.jsonl"))
+        kept = folder / "round.json"
+        if kept.exists():
+            steps = json.loads(kept.read_text())["steps"]
+        else:  # a soak from before round.json: its last step, from rank 0's output
+            done = re.findall(r"^rank 0 step (\d+)", "".join(
+                p.read_text(errors="replace") for p in (folder / "logs").glob("n*.log")), re.M)
+            steps = max(map(int, done)) + 1
+        rounds.append({"round": len(rounds), "spec": None, "steps": steps, "codes": None, "leftover": None,
+                       "memory": {}, "faults": analyse(events, buddies()), "unexplained": unexplained(events),
+                       "log": str(folder),
+                       "failure": next((e.get("reason") for e in events if e["event"] == "job_failed"), None)})
+    return rounds, steps
+
+
 def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
     """Each fault that landed: its kind, victims, outcome, and the time from its first
     part to the first step after the recovery that ended it.
@@ -124,6 +154,10 @@ def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
     completed = sorted((e["epoch"], max(m.get("first step", 0.0) for m in e["marks"].values()), e)
                        for e in events if e["event"] == "recovery" and e.get("marks"))
     fallbacks = {e["epoch"] for e in events if e["event"] == "checkpoint_fallback"}
+    # A rank's first copy goes to its buddy a step after a recovery (README: "a second failure of
+    # their ranks within that window is a loss"); after a fallback, that is from the checkpoint again.
+    no_copy_yet = {e["epoch"] for e in events if e["event"] == "checkpoint_fallback"
+                   and "no committed copy on any holder yet" in e.get("message", "")}
     losses = {e["epoch"] for e in events if e["event"] == "state_lost"}
     stopped = [e["time"] for e in events if e["event"] == "job_failed"]
     spares_started = [e["time"] for e in events if e["event"] == "spare_started"]
@@ -165,6 +199,7 @@ def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
             continue
         epoch, end, recovery = ended
         fault["outcome"] = "checkpoint" if any(e in fallbacks for e in through) else "recovered"
+        fault["no_copy_yet"] = any(e in no_copy_yet for e in through)
         fault["seconds"] = end - start
         phases = {k: v for k, v in recovery["phases_s"].items() if v is not None}
         fault["slowest_phase"] = max(phases, key=phases.get) if phases else None
@@ -181,11 +216,21 @@ def unexplained(events: List[dict], within: float = 5.0) -> List[str]:
             and not any(0 <= e["detected_at"] - t <= within for t in faults)]
 
 
+# The unpaced reference makes about 10 steps a second here; a full soak's is thousands of steps.
+REFERENCE_SECONDS_PER_STEP = 0.25
+
+
 def reference_run(workdir: Path, steps: int, timeout: float) -> Path:
-    """The same steps without a fault (one node of 4, unpaced): its final parameters."""
+    """The same steps without a fault (one node of 4, unpaced): its final parameters.
+    ``timeout`` grows with ``steps`` (REFERENCE_SECONDS_PER_STEP)."""
+    timeout = max(timeout, steps * REFERENCE_SECONDS_PER_STEP)
     from peerstate.tools.local import LocalJob
 
     out = workdir / "reference.pt"
+    made = workdir / "reference.json"  # the steps it was run for: a reanalysis reuses it
+    if out.exists() and made.exists() and json.loads(made.read_text())["steps"] == steps:
+        return out
+    shutil.rmtree(workdir / "reference", ignore_errors=True)
     job = LocalJob(workdir / "reference", [(WORLD, 0)], [str(JOB), "--steps", str(steps), "--out", str(out),
                                                           "--step-seconds", "0"])
     try:
@@ -193,6 +238,7 @@ def reference_run(workdir: Path, steps: int, timeout: float) -> Path:
             raise RuntimeError(f"the fault-free reference failed; see {job.dir}")
     finally:
         job.close()
+    made.write_text(json.dumps({"steps": steps}))
     return out
 
 
@@ -225,7 +271,11 @@ def summarise(rounds: List[dict], check: dict) -> dict:
     return {
         "faults": len(faults), "by_kind": {k: sum(f["kind"] == k for f in faults) for k in KINDS.split(",")},
         "outcomes": by_outcome,
-        "unexpected_fallbacks": [f for f in faults if f["outcome"] == "checkpoint" and not f["every_copy_taken"]],
+        "unexpected_fallbacks": [f for f in faults if f["outcome"] == "checkpoint" and not f["every_copy_taken"]
+                                 and not f.get("no_copy_yet")],
+        # A failure within a step of the recovery before it: its rank had no copy on a holder yet.
+        "no_copy_yet_fallbacks": [f for f in faults if f["outcome"] == "checkpoint" and not f["every_copy_taken"]
+                                  and f.get("no_copy_yet")],
         # Known (#20, item 4): a hung worker's memory is not yet a source; its agent kills it first.
         "hung_copy_fallbacks": [f for f in faults if f["outcome"] == "checkpoint" and f["hung_copy"]],
         "lost": [f for f in faults if f["outcome"] == "lost"],
@@ -234,7 +284,9 @@ def summarise(rounds: List[dict], check: dict) -> dict:
         "over_5s": [f for f in faults if (f["seconds"] or 0) > 5],
         "unexplained_recoveries": [reason for r in rounds for reason in r["unexplained"]],
         "memory_growth_max": max(growth, default=None), "workers_measured": len(growth),
-        "leftover_processes": sum(len(r["leftover"]) for r in rounds),
+        # None: not measured (a reanalysis of kept logs; they were counted live)
+        "leftover_processes": None if any(r["leftover"] is None for r in rounds) else
+        sum(len(r["leftover"]) for r in rounds),
         "failed_rounds": [{"round": r["round"], "reason": r["failure"], "log": r["log"]} for r in rounds
                           if r["failure"]],
         "bitwise": check,
@@ -247,9 +299,10 @@ def main(argv=None) -> int:
     parser.add_argument("--faults", type=int, default=None, help="faults to land in all (default 100; --quick 10)")
     parser.add_argument("--per-round", type=int, default=None, help="faults drawn per round (default 8; --quick 10)")
     parser.add_argument("--mtbf", type=float, default=None,
-                        help="mean seconds between faults (default 8; --quick 5: a spare takes 3-6 s to start on "
-                             "these 2 busy cores, so a shorter one outruns the refill and recoveries wait for spares; "
-                             "the quick form checks what survives, not how fast)")
+                        help="mean seconds between faults (default 8; --quick 5: a refilled spare takes 1.5-3 s to "
+                             "be ready on these 2 busy cores, forked from the fork server (bench/spare_refill.py), and "
+                             "a third of the faults take two ranks, so a shorter one outruns the refill and recoveries "
+                             "wait for spares; the quick form checks what survives, not how fast)")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--checkpoint-every", type=int, default=20)
@@ -257,6 +310,9 @@ def main(argv=None) -> int:
     parser.add_argument("--round-timeout", type=float, default=300.0)
     parser.add_argument("--keep", default=None, help="a folder for the logs (default: a temporary one)")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--reanalyse", action="store_true",
+                        help="analyse the rounds kept in --keep again, from their event logs, and run the reference "
+                             "(workers' memory and processes left behind were sampled live: not measured then)")
     args = parser.parse_args(argv)
     # A SIGTERM runs the finally blocks, as Ctrl-C does: the round's job and etcd stop with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -267,6 +323,8 @@ def main(argv=None) -> int:
     from peerstate.worker.checkpoint import latest_checkpoint
 
     workdir = Path(args.keep or tempfile.mkdtemp(prefix="peerstate-soak-"))
+    if args.reanalyse:
+        return reanalyse(args, workdir, argv)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "etcd").mkdir(exist_ok=True)
     etcd = EtcdCluster(workdir / "etcd", members=3)
@@ -292,6 +350,20 @@ def main(argv=None) -> int:
                   + (f"; the job stopped: {result['failure']}" if result["failure"] else ""), flush=True)
     finally:
         etcd.close()
+    return finish(args, argv, workdir, rounds, total_steps, started)
+
+
+def reanalyse(args, workdir: Path, argv) -> int:
+    if not args.keep:
+        raise SystemExit("--reanalyse needs --keep DIR, the folder of the soak to analyse again")
+    rounds, total_steps = reread_rounds(workdir)
+    if not rounds:
+        raise SystemExit(f"no rounds in {workdir} (round0/logs/events.jsonl)")
+    return finish(args, argv, workdir, rounds, total_steps, time.monotonic())
+
+
+def finish(args, argv, workdir: Path, rounds: List[dict], total_steps: int, started: float) -> int:
+    """The fault-free reference, the bitwise check, the summary and its report."""
     check = bitwise(reference_run(workdir, total_steps, args.round_timeout), workdir / "final.pt")
     summary = summarise(rounds, check)
     report(summary, rounds, time.monotonic() - started)
@@ -305,9 +377,9 @@ def main(argv=None) -> int:
 
 def holds(summary: dict) -> bool:
     """What the soak asserts: every fault recovered, or back from the checkpoint where it
-    took every copy; nothing lost; no round stopped; no process left; bitwise."""
+    took every copy; nothing lost; no round stopped; no process left (where counted); bitwise."""
     return (not summary["lost"] and not summary["unexpected_fallbacks"] and not summary["failed_rounds"]
-            and summary["leftover_processes"] == 0 and summary["bitwise"]["equal"]
+            and summary["leftover_processes"] in (0, None) and summary["bitwise"]["equal"]
             and set(summary["outcomes"]) <= {"recovered", "checkpoint", "spare replaced", "no recovery followed"})
 
 
@@ -326,6 +398,9 @@ def report(summary: dict, rounds: List[dict], seconds: float) -> None:
                   f"{f.get('slowest_phase')} ({f.get('reason')})")
     for f in summary["unexpected_fallbacks"]:
         print(f"  fell back to the checkpoint though a copy survived: {f['kind']} of ranks {f['victims']}")
+    for f in summary["no_copy_yet_fallbacks"]:
+        print(f"  fell back to the checkpoint within a step of the recovery before it, its rank with no copy on a "
+              f"holder yet: {f['kind']} of ranks {f['victims']}")
     for f in summary["hung_copy_fallbacks"]:
         print(f"  fell back to the checkpoint though one of the pair was hung, not gone (its memory is not a source "
               f"yet; #20): {f['kind']} of ranks {f['victims']}")

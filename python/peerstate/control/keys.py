@@ -35,7 +35,7 @@ Epochs (one plan writer per epoch; each node's agent writes its node's entry)
 
 Per rank
     ``bytes/{rank}``                bytes of one version of a rank's own state (its holders reserve them)
-    ``errors/{rank}/{step}``        counter of the rank's workers that died of their own error after step
+    ``errors/{rank}/{step}``        counter of the rank's workers whose script raised its own error in step
 
 Node channel (a second store, hosted by each agent on loopback for its own
 workers: they never read the job's store for the recovery protocol)
