@@ -45,6 +45,10 @@ def test_a_quick_soak_recovers_every_fault_of_every_kind_and_ends_bitwise(tmp_pa
     assert run.returncode == 0, run.stdout[-3000:]
 
 
+def _event(name, time, **fields):
+    return {"event": name, "time": time, **fields}
+
+
 def _soak_module():
     spec = importlib.util.spec_from_file_location("soak", SOAK)
     module = importlib.util.module_from_spec(spec)
@@ -58,20 +62,17 @@ def test_the_soak_counts_a_pair_lost_by_two_faults_in_flight_together_as_every_c
     # completes; the fallback is expected for both, and the hung rank's copy is flagged.
     soak = _soak_module()
 
-    def event(name, time, **fields):
-        return {"event": name, "time": time, **fields}
-
     events = [
-        event("fault_injected", 10.0, scenario=0, scenario_kind="hang", kind="hang", rank=3),
-        event("fault_injected", 10.4, scenario=1, scenario_kind="kill", kind="kill", rank=1),
-        event("plan", 10.45, epoch=1, failed=[1], detected_at=10.42),
-        event("process_exited", 10.8, rank=3, code=-9, how="hung (its progress counter stopped) and was killed"),
-        event("plan", 10.85, epoch=2, failed=[3], detected_at=10.8),
-        event("checkpoint_fallback", 11.5, epoch=2),
-        event("recovery", 11.9, epoch=2, marks={"0": {"first step": 11.9}}, phases_s={"plan": 0.1}),
-        event("fault_injected", 20.0, scenario=2, scenario_kind="kill", kind="kill", rank=2),
-        event("plan", 20.05, epoch=3, failed=[2], detected_at=20.02),
-        event("recovery", 20.4, epoch=3, marks={"0": {"first step": 20.4}}, phases_s={"plan": 0.03}),
+        _event("fault_injected", 10.0, scenario=0, scenario_kind="hang", kind="hang", rank=3),
+        _event("fault_injected", 10.4, scenario=1, scenario_kind="kill", kind="kill", rank=1),
+        _event("plan", 10.45, epoch=1, failed=[1], detected_at=10.42),
+        _event("process_exited", 10.8, rank=3, code=-9, how="hung (its progress counter stopped) and was killed"),
+        _event("plan", 10.85, epoch=2, failed=[3], detected_at=10.8),
+        _event("checkpoint_fallback", 11.5, epoch=2),
+        _event("recovery", 11.9, epoch=2, marks={"0": {"first step": 11.9}}, phases_s={"plan": 0.1}),
+        _event("fault_injected", 20.0, scenario=2, scenario_kind="kill", kind="kill", rank=2),
+        _event("plan", 20.05, epoch=3, failed=[2], detected_at=20.02),
+        _event("recovery", 20.4, epoch=3, marks={"0": {"first step": 20.4}}, phases_s={"plan": 0.03}),
     ]
     hang, kill, alone = soak.analyse(events, soak.buddies())
     assert soak.buddies()[1] == 3
@@ -90,15 +91,12 @@ def test_a_kill_within_a_step_of_a_fallback_is_counted_apart_not_as_an_unexpecte
     # there is no copy yet), and the analysis says why instead of calling it unexpected.
     soak = _soak_module()
 
-    def event(name, time, **fields):
-        return {"event": name, "time": time, **fields}
-
     events = [
-        event("fault_injected", 73.86, scenario=6, scenario_kind="kill", kind="kill", rank=2),
-        event("plan", 73.96, epoch=9, failed=[2], detected_at=73.87),
-        event("checkpoint_fallback", 74.03, epoch=9, message="rank 2 lost; rank 2 has no committed copy on any "
+        _event("fault_injected", 73.86, scenario=6, scenario_kind="kill", kind="kill", rank=2),
+        _event("plan", 73.96, epoch=9, failed=[2], detected_at=73.87),
+        _event("checkpoint_fallback", 74.03, epoch=9, message="rank 2 lost; rank 2 has no committed copy on any "
                                                              "holder yet"),
-        event("recovery", 74.81, epoch=9, marks={"0": {"first step": 74.81}}, phases_s={"plan": 0.1}),
+        _event("recovery", 74.81, epoch=9, marks={"0": {"first step": 74.81}}, phases_s={"plan": 0.1}),
     ]
     [fault] = soak.analyse(events, soak.buddies())
     assert fault["outcome"] == "checkpoint" and not fault["every_copy_taken"] and fault["no_copy_yet"], fault
