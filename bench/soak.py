@@ -108,13 +108,20 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
     time.sleep(0.5)  # workers die with their agent (PR_SET_PDEATHSIG): give the kernel a moment
     leftover = job.leftover_processes()
     events = job.events()
-    return {"round": index, "spec": fault_spec(args, index), "steps": total_steps, "codes": codes, "leftover": leftover,
-            "memory": {str(pid): samples for pid, samples in memory.items()},
-            "faults": analyse(events, buddies()),
-            "unexplained": unexplained(events), "log": str(job.dir),
-            "failure": next((e.get("reason") for e in events if e["event"] == "job_failed"),
-                            f"the round did not end within --round-timeout {args.round_timeout:.0f}s" if None in codes
-                            else None)}
+    timed_out = f"the round did not end within --round-timeout {args.round_timeout:.0f}s" if None in codes else None
+    return round_result(index, events, job.dir, spec=fault_spec(args, index), steps=total_steps, codes=codes,
+                        leftover=leftover, memory={str(pid): samples for pid, samples in memory.items()},
+                        timed_out=timed_out)
+
+
+def round_result(index: int, events: List[dict], folder: Path, *, spec: Optional[str], steps: int,
+                 codes: Optional[List[Optional[int]]], leftover: Optional[List[int]],
+                 memory: Dict[str, List[int]], timed_out: Optional[str] = None) -> dict:
+    """A round as the summary reads it: what was sampled live, and the analysis of its
+    event log (the reason the job stopped, if it did: its own, else ``timed_out``)."""
+    return {"round": index, "spec": spec, "steps": steps, "codes": codes, "leftover": leftover, "memory": memory,
+            "faults": analyse(events, buddies()), "unexplained": unexplained(events), "log": str(folder),
+            "failure": next((e.get("reason") for e in events if e["event"] == "job_failed"), timed_out)}
 
 
 def reread_rounds(workdir: Path) -> tuple:
@@ -128,16 +135,16 @@ def reread_rounds(workdir: Path) -> tuple:
         folder = workdir / f"round{len(rounds)}"
         events = read_events(str(folder / "logs" / "events.jsonl"))
         kept = folder / "round.json"
+        spec = None
         if kept.exists():
-            steps = json.loads(kept.read_text())["steps"]
+            recorded = json.loads(kept.read_text())
+            steps, spec = recorded["steps"], recorded["spec"]
         else:  # a soak from before round.json: its last step, from rank 0's output
             done = re.findall(r"^rank 0 step (\d+)", "".join(
                 p.read_text(errors="replace") for p in (folder / "logs").glob("n*.log")), re.M)
             steps = max(map(int, done)) + 1
-        rounds.append({"round": len(rounds), "spec": None, "steps": steps, "codes": None, "leftover": None,
-                       "memory": {}, "faults": analyse(events, buddies()), "unexplained": unexplained(events),
-                       "log": str(folder),
-                       "failure": next((e.get("reason") for e in events if e["event"] == "job_failed"), None)})
+        rounds.append(round_result(len(rounds), events, folder, spec=spec, steps=steps, codes=None, leftover=None,
+                                   memory={}))
     return rounds, steps
 
 

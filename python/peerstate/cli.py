@@ -78,6 +78,8 @@ def _goodput(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from peerstate.launcher.fork_server import DEFAULT_PRELOAD
+
     top = argparse.ArgumentParser(prog="peerstate", description="Checkpointless training for PyTorch.")
     commands = top.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
@@ -125,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
                      help="inject a fault, e.g. kill:rank=2:step=10, hang:rank=1:time=30, "
                           "kill-node:node=1:step=20, kill-spare:node=0:time=12, random:mtbf=20:seed=7:max=3 "
                           "(repeatable; peerstate.launcher.inject lists the kinds)")
-    run.add_argument("--preload", default="torch,peerstate.worker.job", metavar="MODULES",
+    run.add_argument("--preload", default=",".join(DEFAULT_PRELOAD), metavar="MODULES",
                      help="modules this node's fork server imports once; every worker and spare is forked from it, "
                           "ready in the time its script takes to reach peerstate.Job() instead of an interpreter's "
                           "start and torch's import (comma-separated; add your script's heavy imports; '' starts "

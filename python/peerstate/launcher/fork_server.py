@@ -158,7 +158,6 @@ class ForkServer:
 
     def _read(self) -> None:
         buffer = b""
-        pending: List[int] = []
         while True:
             try:
                 data = self._socket.recv(65536)
@@ -173,7 +172,6 @@ class ForkServer:
                     message = json.loads(line)
                     if "started" in message:
                         self._started[message["started"]] = message["pid"]
-                        pending.append(message["started"])
                     elif "exited" in message:
                         self._exits[message["exited"]] = message["code"]
                     elif "error" in message:
@@ -181,7 +179,7 @@ class ForkServer:
                 self._changed.notify_all()
         with self._changed:
             # PR_SET_PDEATHSIG: whatever the server had started died with it.
-            for request in pending:
+            for request in range(self._next_request):
                 self._exits.setdefault(request, -signal.SIGKILL)
             self._error = self._error or f"the fork server exited (its output is in {self.log})"
             self._changed.notify_all()
