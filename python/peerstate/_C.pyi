@@ -115,6 +115,17 @@ def measure_parallel_memcpy(
 ) -> float:
     """Best seconds of `repeats` parallel copies of the sources into one region."""
 
+class LivenessTicker:
+    """Stores an increasing count into the 8-byte word at `offset` of the file at
+    `path` from a native thread, every `interval_seconds`: it stops only when the
+    process is frozen, never for the GIL (csrc/common/liveness_ticker.h)."""
+
+    def __init__(self, path: str, offset: int, interval_seconds: float) -> None: ...
+    def stop(self) -> None:
+        """End the thread (blocks up to one interval); idempotent."""
+    @property
+    def count(self) -> int: ...
+
 class ReplicaStore:
     """The buddies' snapshots held here: per source rank, the committed version and at
     most one incoming one (see csrc/store/replica_store.h). Thread-safe."""

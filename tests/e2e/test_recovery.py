@@ -2,6 +2,7 @@
 signals. Every faulty run must end with the parameters of the fault-free run,
 bit for bit."""
 
+import os
 import re
 import signal
 
@@ -12,6 +13,7 @@ torch = pytest.importorskip("torch")
 from helpers.jobs import FAST, STEPS, Job, assert_bitwise  # noqa: E402
 
 from peerstate.control.environment import ABORT_DEADLINE_EXIT_CODE  # noqa: E402
+from peerstate.tools.local import alive  # noqa: E402
 
 TWO_NODES = [(2, 1), (2, 0)]  # 4 workers on 2 simulated nodes + 1 spare
 
@@ -147,6 +149,46 @@ def test_hung_worker_is_detected_by_its_progress_counter(run, reference):
     assert_bitwise(job, reference)
     [exited] = [e for e in job.events("process_exited") if e["rank"] == 3 and e["code"] != 0]
     assert "hung" in exited["how"]
+
+
+def test_a_replacement_frozen_while_it_recovers_is_found_by_its_liveness_and_nobody_else_exits(run, reference):
+    # While a worker recovers, torch's setup collectives may hold the GIL, so its Python
+    # heartbeat is bounded by --join-timeout (60 s here). Its native liveness count is not:
+    # a replacement frozen in its join is found within --hang-timeout, and the members that
+    # waited on it (for its report, or in the group's rendezvous, which times out first)
+    # join the next epoch instead of exiting: one more plan, no other process lost.
+    job = run(nodes=[(2, 1), (2, 1)])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for_step(2, 10)
+    job.kill_rank(2)
+    [assigned] = job.wait_for(lambda: [e for e in job.events("spare_assigned") if e["rank"] == 2], "a replacement")
+    [pid] = [e["pid"] for e in job.events("spare_ready") if e["source"] == assigned["source"]]
+    job.signal_process(pid, signal.SIGSTOP, "rank 2's replacement, in its join")
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert [p["failed"] for p in job.events("plan")] == [[2], [2]], job.describe()
+    exits = [(e["rank"], e["how"]) for e in job.events("process_exited") if e["code"] != 0 and e["rank"] is not None]
+    assert len(exits) == 2 and exits[1] == (2, "hung: frozen (its liveness count stopped too) and was killed"), exits
+
+
+def test_two_ranks_of_a_node_lost_in_one_watch_pass_are_recovered_together(run, reference):
+    # Node 1's agent is held while both its ranks are killed, so its next pass sees the two
+    # exits together: one plan replaces both (there were two recoveries, one after the other).
+    job = run(nodes=[(2, 0), (2, 2)])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for_step(3, 3)
+    pids = [job.pid_of(2), job.pid_of(3)]
+    agent = job.agents[1].pid
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        for rank, pid in zip((2, 3), pids):
+            job.signal_process(pid, signal.SIGKILL, f"rank {rank}")
+        job.wait_for(lambda: not any(alive(pid) for pid in pids), "both deaths", timeout=10)
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert [sorted(p["failed"]) for p in job.events("plan")] == [[2, 3]], job.describe()
 
 
 def test_a_worker_whose_setup_holds_the_gil_is_not_taken_for_hung(run, reference):

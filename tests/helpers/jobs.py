@@ -64,8 +64,11 @@ class Job(LocalJob):
             f.write(line + "\n")
 
     def kill_rank(self, rank, sig=signal.SIGKILL):
-        pid = self.pid_of(rank)
-        self._fault(f"{signal.Signals(sig).name} rank {rank}")
+        return self.signal_process(self.pid_of(rank), sig, f"rank {rank}")
+
+    def signal_process(self, pid, sig, what):
+        """Send ``sig`` to ``pid`` (``what`` names it in the event log's fault)."""
+        self._fault(f"{signal.Signals(sig).name} {what}")
         os.kill(pid, sig)
         return pid
 

@@ -1,11 +1,13 @@
 """A worker's progress counter in shared memory, watched by its node agent.
 
-Two 64-bit words in a small file the agent creates (under /dev/shm when it
-exists): a heartbeat the worker's ticker thread bumps every ``interval``
-seconds, and the last completed step. A frozen process (SIGSTOP, a native
-call holding the GIL forever) stops the heartbeat; a rank that is merely
-blocked in a collective on a frozen peer keeps ticking, so only the frozen
-rank is blamed.
+Three 64-bit words in a small file the agent creates (under /dev/shm when it
+exists): a heartbeat the worker's Python ticker thread bumps every
+``interval`` seconds, the last completed step, and a liveness count a native
+thread bumps at the same pace (``_C.LivenessTicker``). A frozen process
+(SIGSTOP, a cgroup freeze) stops both; an interpreter stuck in a native call
+that holds the GIL stops the first only; a rank that is merely blocked in a
+collective on a frozen peer keeps both ticking, so only the frozen rank is
+blamed. The agent bounds each phase by what can stall it (``hang_bound``).
 """
 
 from __future__ import annotations
@@ -17,21 +19,23 @@ import struct
 import threading
 from typing import Iterator, Optional
 
-_FORMAT = "<Qq"
+_FORMAT = "<QqQ"
 SIZE = struct.calcsize(_FORMAT)
 FINISHED = -2  # the step word once the worker has finished: it is no longer watched
 # The step word while a worker that has stepped recovers. Until its first step, and
 # while recovering, the agent bounds a stalled heartbeat by --join-timeout instead of
 # --hang-timeout: torch's setup collectives (DDP's parameter check, a group's connect)
 # hold the GIL while they wait for a slower peer, which stops a healthy worker's
-# ticker thread; those phases are bounded by their own timeouts.
+# ticker thread; those phases are bounded by their own timeouts. The liveness count
+# is bounded by --hang-timeout in every phase: nothing healthy stops it.
 SETUP = -3
+_LIVENESS_OFFSET = 16
 
 
 def create(path: str) -> None:
     """Create a counter file (agent side): no heartbeat yet, no step finished."""
     with open(path, "wb") as f:
-        f.write(struct.pack(_FORMAT, 0, -1))
+        f.write(struct.pack(_FORMAT, 0, -1, 0))
 
 
 class ProgressCounter:
@@ -45,16 +49,23 @@ class ProgressCounter:
         finally:
             os.close(fd)
         self._ticker: Optional[threading.Thread] = None
+        self._liveness = None
         self._stop = threading.Event()
 
     def read(self) -> tuple:
-        """(heartbeat, step)."""
+        """(heartbeat, step, liveness)."""
         return struct.unpack_from(_FORMAT, self._map, 0)
 
     def set_step(self, step: int) -> None:
         struct.pack_into("<q", self._map, 8, step)
 
     def start_ticking(self, interval: float = 0.1) -> None:
+        """Start both tickers (worker side), the native one first: the agent reads a
+        Python heartbeat as the sign that the liveness count runs too."""
+        from peerstate import _C
+
+        self._liveness = _C.LivenessTicker(self.path, _LIVENESS_OFFSET, interval)
+
         def tick() -> None:
             while not self._stop.wait(interval):
                 struct.pack_into("<Q", self._map, 0, struct.unpack_from("<Q", self._map, 0)[0] + 1)
@@ -81,3 +92,5 @@ class ProgressCounter:
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join()
+        if self._liveness is not None:
+            self._liveness.stop()

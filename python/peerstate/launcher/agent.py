@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from peerstate.control import keys
 from peerstate.control import progress as progress_file
@@ -43,7 +43,7 @@ from peerstate.launcher.inject import Fault, FaultInjector
 from peerstate.control.leases import LeaseWatch
 from peerstate.launcher.config import AgentConfig
 from peerstate.launcher.fork_server import ForkServer
-from peerstate.launcher.processes import WorkerProcess, describe_exit, die_with_parent, log_tail
+from peerstate.launcher.processes import HANG_CAUSES, WorkerProcess, describe_exit, die_with_parent, log_tail
 from peerstate.launcher.store_connection import open_job_store
 
 POLL_SECONDS = 0.005
@@ -225,6 +225,7 @@ class Agent:
     def _watch(self) -> int:
         next_watch = 0.0
         while True:
+            failed: List[Tuple[str, str, float]] = []
             for process in list(self.processes.values()):
                 code = process.popen.poll()
                 if code is None:
@@ -232,7 +233,10 @@ class Agent:
                     if code is not None:
                         self._dying.append(process.popen)  # reaped once its exit completes
                 if code is not None:
-                    self._exited(process, code)
+                    failed.extend(self._exited(process, code))
+            if failed:  # ranks lost in one pass are planned for together: one recovery, not one each
+                self._report([w for w, _, _ in failed], "; ".join(r for _, r, _ in failed),
+                             min(t for _, _, t in failed))
             self._dying = [popen for popen in self._dying if popen.poll() is None]
             if self.injector.faults:
                 self._inject()
@@ -296,17 +300,19 @@ class Agent:
     def _live_workers(self) -> List[WorkerProcess]:
         return [p for p in self.processes.values() if p.rank is not None and p.popen.poll() is None]
 
-    def _exited(self, process: WorkerProcess, code: int) -> None:
+    def _exited(self, process: WorkerProcess, code: int) -> List[Tuple[str, str, float]]:
+        """Handle a child's exit; returns the failure to report, [(worker, reason, detected
+        at)], or [] where there is none (a waiting spare, a finished rank, a stopping job)."""
         detected_at = time.time()
         del self.processes[process.worker]
         finished = process.counter.read()[1] == progress_file.FINISHED  # it had left its steps() loop
         process.counter.close()
         process.exit_watch.close()
         os.unlink(process.counter.path)
-        how = "hung (its progress counter stopped) and was killed" if process.hung else describe_exit(code)
+        how = HANG_CAUSES[process.hung] if process.hung else describe_exit(code)
         self.events.write("process_exited", worker=process.worker, rank=process.rank, code=code, how=how)
         if self._stopping or (code == 0 and process.rank is not None) or self.coordinator.failure():
-            return  # a worker that stops because the job failed is not a new failure
+            return []  # a worker that stops because the job failed is not a new failure
         if finished and process.rank is not None:
             # Its state is final and counted; the others never wait on it again. Only what its
             # script does after the loop (saving, evaluating) did not run: said, not recovered.
@@ -314,7 +320,7 @@ class Agent:
                   "later: not recovered (its training is complete), but what its script does after the loop may "
                   f"not have run. Last lines of {process.log}:\n{log_tail(process.log)}", file=sys.stderr, flush=True)
             self.events.write("exited_after_last_step", worker=process.worker, rank=process.rank, code=code)
-            return
+            return []
         ready = True
         if process.rank is None:
             ready = self.kv.get(keys.spare_state(process.worker)) is not None  # it reached track()'s wait
@@ -328,12 +334,12 @@ class Agent:
                 else ""
             self._fail(f"{who} {how} before it reached peerstate.Job(), in {' '.join(self.config.script)}: the "
                        f"script fails at start-up. Last lines of {process.log}:\n{tail}{hint}")
-            return
+            return []
         if process.rank is None:
             if code > 0 and not ready:
                 self._spare_failed_to_start(process, how)
-            return  # a waiting spare died: the pool is refilled
-        self._report([process.worker], f"rank {process.rank} ({process.worker}) {how}", detected_at)
+            return []  # a waiting spare died: the pool is refilled
+        return [(process.worker, f"rank {process.rank} ({process.worker}) {how}", detected_at)]
 
     def _spare_failed_to_start(self, process: WorkerProcess, how: str) -> None:
         """A spare whose script failed between Job() and track()'s wait: said at once,
@@ -404,21 +410,10 @@ class Agent:
 
     def _check_hangs(self, now: float) -> None:
         for process in self.processes.values():
-            heartbeat, step = process.counter.read()
-            if step == progress_file.FINISHED:
-                continue
-            if heartbeat != process.heartbeat:
-                process.heartbeat, process.heartbeat_at, process.ticked = heartbeat, now, True
-            elif (process.ticked and process.rank is not None and not process.hung
-                  and now - process.heartbeat_at > self._hang_bound(step)):
-                process.hung = True
+            cause = process.read_progress(now, self.config.hang_timeout, self.config.join_timeout)
+            if cause and process.rank is not None and not process.hung:
+                process.hung = cause
                 os.killpg(process.popen.pid, signal.SIGKILL)  # reaped, and reported, by the next poll
-
-    def _hang_bound(self, step: int) -> float:
-        """--hang-timeout in the loop; --join-timeout before a worker's first step and while
-        it recovers (``progress_file.SETUP`` says why), as nvidia-resiliency-ext bounds the
-        first heartbeat apart from the later ones."""
-        return self.config.hang_timeout if step >= 0 else max(self.config.hang_timeout, self.config.join_timeout)
 
     def _check_leases(self, now: float) -> None:
         """Declare the nodes of this agent's ring window whose lease stopped (see ``LeaseWatch``)."""

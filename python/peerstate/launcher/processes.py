@@ -11,12 +11,18 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from peerstate.control import progress
 from peerstate.control.progress import ProgressCounter
+
+
+# How a worker killed as hung is described (``WorkerProcess.hung``): its Python heartbeat
+# stood still past its bound, or its native liveness count did (see control.progress).
+HANG_CAUSES = {"stalled": "hung (its progress counter stopped) and was killed",
+               "frozen": "hung: frozen (its liveness count stopped too) and was killed"}
 
 
 class WorkerProcess:
     """One process this agent started: an initial worker, or a spare until it is given a rank."""
-
 
     def __init__(self, worker: str, rank: Optional[int], popen: subprocess.Popen, counter: ProgressCounter,
                  log: Path) -> None:
@@ -27,11 +33,34 @@ class WorkerProcess:
         self.log = log
         self.heartbeat = 0
         self.heartbeat_at = time.monotonic()
+        self.liveness = 0                  # the native count (see control.progress)
+        self.liveness_at = time.monotonic()
         self.ticked = False                # it reached peerstate.Job()
-        self.hung = False
+        self.hung: Optional[str] = None   # why it was killed as hung: 'stalled' or 'frozen'
         self.claimed = False               # a spare a planner claimed, not yet named by a plan
         self.ready = False                 # a spare in the pool (its script reached track())
         self.exit_watch = ExitWatch(popen.pid)
+
+    def read_progress(self, now: float, hang_timeout: float, join_timeout: float) -> Optional[str]:
+        """Read its progress counter at ``now``: the cause (a key of ``HANG_CAUSES``)
+        when it is hung, else None. Its Python heartbeat is bounded by ``hang_timeout``
+        in the loop, and by ``join_timeout`` before its first step and while it recovers
+        (``progress.SETUP`` says why), as nvidia-resiliency-ext bounds the first
+        heartbeat apart from the later ones. Its native liveness count is bounded by
+        ``hang_timeout`` throughout: a worker frozen while it recovers is found as fast
+        as one frozen in its loop, and before its peers' group formation gives up on it.
+        Not before it reached peerstate.Job(), nor once it finished its loop."""
+        heartbeat, step, liveness = self.counter.read()
+        if heartbeat != self.heartbeat:
+            self.heartbeat, self.heartbeat_at, self.ticked = heartbeat, now, True
+        if liveness != self.liveness:
+            self.liveness, self.liveness_at = liveness, now
+        if not self.ticked or step == progress.FINISHED:
+            return None
+        if self.liveness > 0 and now - self.liveness_at > hang_timeout:
+            return "frozen"
+        bound = hang_timeout if step >= 0 else max(hang_timeout, join_timeout)
+        return "stalled" if now - self.heartbeat_at > bound else None
 
 
 # Linux's PF_EXITING: set on a task as it enters do_exit(), before its memory is released.

@@ -16,6 +16,7 @@ from peerstate.control.messages import (MemberInstructions, MemberReport, NodeIn
 from peerstate.control.planning import expand, lost_without_checkpoint, node_of_worker
 from peerstate.control.timeline import EventLog
 from peerstate.errors import AbortedError, JobFailedError, StateLostError
+from peerstate.errors import TimeoutError as PeerstateTimeoutError
 from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.worker.checkpoint import DiskCheckpoints
@@ -108,12 +109,11 @@ class EpochJoiner:
             rolling = Background(self.restorer.run, restore)
         self.groups.collective_timeout = plan.collective_timeout or self.groups.default_collective_timeout
         try:
-            self.groups.form(self.kv, plan.epoch, rank, self.world_size, self.join_timeout)
-            self.check_current(plan.epoch)
-        except (AbortedError, Superseded):
+            self._form(plan.epoch, rank)
+        except Superseded:
             if rolling is not None:
                 rolling.join(check=False)
-            raise Superseded() from None
+            raise
         self.report.mark("re-form")
         self.events.write("joined", epoch=plan.epoch, rank=rank)
         if plan.epoch == 0:
@@ -138,6 +138,21 @@ class EpochJoiner:
             reserve_replicas(self.kv, self.replication, self.placement, rank, self.join_timeout, background=True)
             return
         self.wrappers.rebuild()
+
+    def _form(self, epoch: int, rank: int) -> None:
+        """Re-form the process groups. Superseded when a newer epoch began meanwhile,
+        including the one that declares a member that froze or died in the rendezvous:
+        after a formation timeout it is waited for (``failure_declared``), so that this
+        member joins that epoch rather than exit and cost the job another spare."""
+        try:
+            self.groups.form(self.kv, epoch, rank, self.world_size, self.join_timeout)
+        except AbortedError:
+            raise Superseded() from None
+        except PeerstateTimeoutError:
+            if self.failure_declared(epoch):
+                raise Superseded() from None
+            raise
+        self.check_current(epoch)
 
     def _report_and_wait(self, epoch: int, needs_state: bool) -> MemberInstructions:
         """Hand this member's report to its agent (the node channel) and wait for its
