@@ -355,6 +355,10 @@ def main(argv=None) -> int:
                   f"{sum(f['outcome'] == 'checkpoint' for f in faults)} from the checkpoint, "
                   f"{sum(f['outcome'] == 'lost' for f in faults)} lost; agents exited {result['codes']}"
                   + (f"; the job stopped: {result['failure']}" if result["failure"] else ""), flush=True)
+            if result["failure"] and not faults:
+                print("the soak stops: a round stopped before any fault landed, and the next would start from the "
+                      "same place", flush=True)  # finish() reports the round as failed
+                break
     finally:
         etcd.close()
     return finish(args, argv, workdir, rounds, total_steps, started)

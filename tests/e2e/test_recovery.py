@@ -14,6 +14,7 @@ from helpers.jobs import FAST, STEPS, Job, assert_bitwise  # noqa: E402
 
 from peerstate.control.environment import ABORT_DEADLINE_EXIT_CODE  # noqa: E402
 from peerstate.tools.local import alive  # noqa: E402
+from peerstate.worker.checkpoint import latest_checkpoint  # noqa: E402
 
 TWO_NODES = [(2, 1), (2, 0)]  # 4 workers on 2 simulated nodes + 1 spare
 
@@ -384,6 +385,27 @@ def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, ref
     assert not refused, refused
     if data_parallel:  # ranks 0 and 2 were the two holders of data-parallel share 0
         assert "data-parallel share 0 has no surviving copy" in fallback["message"], fallback
+
+
+def test_a_checkpoint_a_replacement_cannot_load_stops_the_job_instead_of_taking_spare_after_spare(run, tmp_path):
+    # Rank 0's file of the newest checkpoint is torn under a .metadata that calls it complete
+    # (how a replayed save once left one, before complete checkpoints were left alone). Ranks 0
+    # and 2 are then lost together: the fallback's replacement of rank 0 cannot load it, and
+    # neither could any other; the job stops saying why, with no plan past the two losses.
+    checkpoints = tmp_path / "checkpoints"
+    job = run(nodes=[(2, 2), (2, 0)], script_args=["--data-parallel", "--step-seconds", "0.3"],
+              agent_args=FAST + ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10"])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "the spares")
+    job.wait_for_step(2, 12)  # checkpoint 10 is complete; 20 is 8 steps (2.4 s) away
+    step, path = latest_checkpoint(str(checkpoints))
+    with open(os.path.join(path, "__0_0.distcp"), "r+b") as torn:
+        torn.truncate(100)
+    job.kill_rank(0)
+    job.kill_rank(2)
+    assert job.wait() == [1, 1], job.describe()
+    summary = job.agent_logs[0].read_text()
+    assert f"rank 0 could not load the disk checkpoint {path}" in summary, summary
+    assert sorted(r for p in job.events("plan") for r in p["failed"]) == [0, 2] and step == 10, job.describe()
 
 
 def test_a_rank_that_dies_of_an_exception_in_its_loop_is_recovered(run, reference):

@@ -89,8 +89,9 @@ class ProgressCounter:
         self.set_step(FINISHED)
 
     def close(self) -> None:
+        """Stop the Python heartbeat. The liveness count runs on until the process is
+        gone: a worker whose exit takes a while is exiting, not frozen (its agent then
+        reports how it ended, not a hang)."""
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join()
-        if self._liveness is not None:
-            self._liveness.stop()

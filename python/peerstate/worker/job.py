@@ -173,14 +173,14 @@ class Job:
         self.wrappers = DistributedWrappers(self.kv)
         self.checkpoints = checkpoints = DiskCheckpoints(self.tracked, self.wrappers,
                                                          checkpoint_dir or env.checkpoint_dir,
-                                                         checkpoint_every or env.checkpoint_every)
+                                                         checkpoint_every or env.checkpoint_every,
+                                                         self.coordinator.fail_job)
         self.report = RecoveryReport(self.kv, self.coordinator, self.events, env.events, env.world_size)
         self.boundary = StepBoundary(self.membership, self.tracked, self.kv, self.placement, checkpoints, self.report,
                                      self.progress, snapshot_every, join_timeout)
         # The same script without the capture, for the benchmarks' baselines (no failure is survivable).
         self.capture = os.environ.get("PEERSTATE_CAPTURE", "1") != "0"
-        self.resume = CheckpointResume(self.kv, self.coordinator, checkpoints, self.boundary, self.tracked,
-                                       self.events)
+        self.resume = CheckpointResume(self.kv, checkpoints, self.boundary, self.tracked, self.events)
         self.restorer = Restorer(self.membership, self.tracked, checkpoints, self.report)
         self.joiner = EpochJoiner(self.membership, self.kv, self.channel, self.coordinator, self.groups, self.tracked,
                                   self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,

@@ -8,10 +8,8 @@ import sys
 from typing import Optional, Tuple
 
 from peerstate.control import keys
-from peerstate.control.coordinator import Coordinator
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.timeline import EventLog
-from peerstate.errors import InvalidArgumentError
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.step_boundary import StepBoundary
 from peerstate.worker.tracked_state import TrackedState
@@ -21,10 +19,9 @@ class CheckpointResume:
     """Finds and loads a new job's resume point. Every member loads the same
     checkpoint: the first member to look names it in the store."""
 
-    def __init__(self, kv: KeyValueStore, coordinator: Coordinator, checkpoints: DiskCheckpoints,
+    def __init__(self, kv: KeyValueStore, checkpoints: DiskCheckpoints,
                  boundary: StepBoundary, tracked: TrackedState, events: EventLog) -> None:
         self._kv = kv
-        self._coordinator = coordinator
         self._checkpoints = checkpoints
         self._boundary = boundary
         self._tracked = tracked
@@ -45,10 +42,7 @@ class CheckpointResume:
         step the loop goes on at. A checkpoint that does not fit stops the job (every
         rank, and any replacement, would fail the same) with DCP's cause."""
         self._boundary.register()
-        try:
-            self._checkpoints.load(path, step, rank)
-        except InvalidArgumentError as error:
-            raise InvalidArgumentError(self._coordinator.fail_job(str(error))) from None
+        self._checkpoints.load(path, step, rank)  # one that does not fit stops the job
         self._tracked.remember_rng()  # Job.guard says so if a seed after track() replaces what was loaded
         self._events.write("resumed", rank=rank, step=step, path=path)
         if rank == 0:
