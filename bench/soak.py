@@ -28,7 +28,9 @@ Reported, per fault (a sequence of two counts as one):
 - each worker's resident memory after each recovery, and its growth over its
   life (a leak grows);
 - processes left behind after each round; the final parameters against the
-  fault-free run's.
+  fault-free run's;
+- where an epoch stalled (no member joined it 10 s after its plan), every
+  worker's and spare's stacks, in its log (``dump_stalled``).
 
 Measured: all of it, on this machine's 2 cores. Each step sleeps up to
 ``--step-seconds`` (0.1 s), standing in for compute, so that a round's length
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -91,10 +94,13 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
                                                                        "spec": fault_spec(args, index)}))
     memory: Dict[int, List[int]] = {}  # pid -> its resident bytes after each recovery
     seen = 0
+    dumped: set = set()
     try:
         deadline = time.monotonic() + args.round_timeout
         while any(agent.poll() is None for agent in job.agents) and time.monotonic() < deadline:
-            recoveries = len(job.events("recovery"))
+            events = job.events()
+            dump_stalled(job, events, dumped)
+            recoveries = sum(e["event"] == "recovery" for e in events)
             if recoveries > seen:  # a recovery just ended: how much does each worker hold now?
                 seen = recoveries
                 for pid in [pids[-1] for pids in job.rank_pids().values()]:
@@ -112,6 +118,35 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
     return round_result(index, events, job.dir, spec=fault_spec(args, index), steps=total_steps, codes=codes,
                         leftover=leftover, memory={str(pid): samples for pid, samples in memory.items()},
                         timed_out=timed_out)
+
+
+STALL_SECONDS = 10.0  # a plan that old whose epoch no member joined: the round dumps every worker's stacks
+
+
+def dump_stalled(job, events: List[dict], dumped: set) -> None:
+    """Once per stalled epoch (``STALL_SECONDS``), have every live worker and spare
+    print its threads' stacks to its log (``soak_job.py`` registers SIGUSR2 with
+    faulthandler), and say so in the event log: a stall explains itself afterwards."""
+    from peerstate.tools.local import alive
+
+    plans = [e for e in events if e["event"] == "plan"]
+    if not plans or plans[-1]["epoch"] in dumped or time.time() - plans[-1]["time"] < STALL_SECONDS:
+        return
+    epoch = plans[-1]["epoch"]
+    if any(e["event"] == "joined" and e.get("epoch") == epoch for e in events):
+        return
+    dumped.add(epoch)
+    pids = {e["pid"] for e in events if e["event"] == "spare_ready"}
+    pids.update(p for held in job.rank_pids().values() for p in held)
+    live = sorted(p for p in pids if alive(p))
+    with open(job.logs / "events.jsonl", "a") as log:
+        log.write(json.dumps({"time": time.time(), "event": "stacks_dumped", "source": "soak", "epoch": epoch,
+                              "pids": live}) + "\n")
+    for pid in live:
+        try:
+            os.kill(pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            pass
 
 
 def round_result(index: int, events: List[dict], folder: Path, *, spec: Optional[str], steps: int,

@@ -8,7 +8,9 @@ it is the fault-free reference. A new job started on the same
 Rank 0 writes the final parameters to ``--out``."""
 
 import argparse
+import faulthandler
 import os
+import signal
 import time
 
 import torch
@@ -24,6 +26,7 @@ parser.add_argument("--width", type=int, default=128)
 parser.add_argument("--layers", type=int, default=2)
 args = parser.parse_args()
 
+faulthandler.register(signal.SIGUSR2, all_threads=True)  # the soak's dump of a stalled recovery (soak.py)
 torch.set_num_threads(1)
 batches = Batches(corpus(seed=0), context=64, batch=8, seed=0)
 job = peerstate.Job()

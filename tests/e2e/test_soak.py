@@ -12,6 +12,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,51 @@ def test_a_kill_within_a_step_of_a_fallback_is_counted_apart_not_as_an_unexpecte
     summary = soak.summarise([{"faults": [fault], "memory": {}, "unexplained": [], "leftover": [],
                                "failure": None, "round": 0, "log": ""}], {"equal": True, "tensors": 1})
     assert not summary["unexpected_fallbacks"] and summary["no_copy_yet_fallbacks"] == [fault]
+
+
+class _StalledJob:
+    """The part of ``LocalJob`` that ``dump_stalled`` reads (a second implementation:
+    its log folder, and the live processes holding ranks)."""
+
+    def __init__(self, logs: Path, rank_pids: dict) -> None:
+        self.logs = logs
+        self._rank_pids = rank_pids
+
+    def rank_pids(self):
+        return self._rank_pids
+
+
+def test_a_stalled_epoch_has_every_worker_print_its_stacks_once(tmp_path):
+    # A real process with soak_job.py's handler stands in for a worker stuck in a recovery.
+    soak = _soak_module()
+    stderr = tmp_path / "worker.log"
+    worker = subprocess.Popen([sys.executable, "-c", "import faulthandler, signal, sys, time\n"
+                               "faulthandler.register(signal.SIGUSR2, all_threads=True)\n"
+                               "def stuck_in_a_recovery():\n"
+                               "    print('ready', flush=True)\n"
+                               "    time.sleep(60)\n"
+                               "stuck_in_a_recovery()\n"],
+                              stdout=subprocess.PIPE, stderr=open(stderr, "w"), text=True)
+    try:
+        assert worker.stdout.readline() == "ready\n"
+        job = _StalledJob(tmp_path, {1: [worker.pid]})
+        now = time.time()
+        fresh = [_event("plan", now - 1.0, epoch=3, failed=[1])]
+        dumped = set()
+        soak.dump_stalled(job, fresh, dumped)  # 1 s old: not stalled yet
+        stalled = [_event("plan", now - soak.STALL_SECONDS - 1, epoch=3, failed=[1])]
+        joined = stalled + [_event("joined", now, epoch=3, rank=1)]
+        soak.dump_stalled(job, joined, dumped)  # joined: not stalled
+        assert not dumped and not (tmp_path / "events.jsonl").exists()
+        soak.dump_stalled(job, stalled, dumped)
+        soak.dump_stalled(job, stalled, dumped)  # once per epoch
+        deadline = time.monotonic() + 10
+        while "stuck_in_a_recovery" not in stderr.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "stuck_in_a_recovery" in stderr.read_text()
+        written = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+        assert [(e["event"], e["epoch"], e["pids"]) for e in written] == [("stacks_dumped", 3, [worker.pid])]
+        assert worker.poll() is None  # a dump, not a kill
+    finally:
+        worker.kill()
+        worker.wait()

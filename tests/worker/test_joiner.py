@@ -1,8 +1,10 @@
-"""An epoch's group formation that times out on a member that never came (it froze,
-or died, in the rendezvous): the joining member waits for that member's failure to
-be declared and joins the next epoch, instead of exiting and costing the job a
-spare; with no failure declared within ``failure_grace`` the timeout is raised."""
+"""An epoch's group formation that times out on a member that never came: the
+joining member does not exit (a spare lost for nothing). It joins the epoch that
+declares the member lost, or, when none comes (a member was late, not lost), asks
+for a regroup: the same members form the group again in a new epoch; after a few
+such timeouts in a row the timeout is raised. Real gloo groups, a real store."""
 
+import json
 import threading
 import time
 
@@ -14,52 +16,67 @@ from peerstate.control import keys  # noqa: E402
 from peerstate.control.coordinator import Coordinator  # noqa: E402
 from peerstate.control.kvstore import TorchKeyValueStore  # noqa: E402
 from peerstate.control.messages import RecoveryPlan  # noqa: E402
+from peerstate.control.timeline import EventLog  # noqa: E402
 from peerstate.errors import TimeoutError as PeerstateTimeoutError  # noqa: E402
+from peerstate.worker import joiner as joiner_module  # noqa: E402
 from peerstate.worker.joiner import EpochJoiner, Superseded  # noqa: E402
-from peerstate.worker.membership import EpochWatcher  # noqa: E402
+from peerstate.worker.membership import EpochWatcher, Membership  # noqa: E402
 from peerstate.worker.process_groups import ProcessGroups  # noqa: E402
 
 CONNECT_TIMEOUT = 0.2  # gloo gives up on the missing member within 5 x this
 
 
 @pytest.fixture
-def joiner(monkeypatch):
-    """Rank 0 of a 2-rank job joining epoch 1, through a real store and real gloo
-    groups; rank 1 never arrives. Only the collaborators a formation uses are given."""
+def joiner(monkeypatch, tmp_path):
+    """Rank 0 (worker n0.0) of a 2-rank job joining epoch 1, through a real store and
+    real gloo groups; rank 1 never arrives. Only the collaborators a formation uses
+    are given."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     kv = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=10)
+    kv.set(keys.CONFIG, json.dumps({"nnodes": 1, "nproc_per_node": 2, "world_size": 2}).encode())
+    coordinator = Coordinator(kv)
+    coordinator.start("agent0")
     groups = ProcessGroups("gloo", connect_timeout=CONNECT_TIMEOUT)
-    joiner = EpochJoiner(membership=None, kv=kv, channel=None, coordinator=Coordinator(kv), groups=groups,
-                         tracked=None, restorer=None, boundary=None, wrappers=None, checkpoints=None, report=None,
-                         events=None, placement=None, world_size=2, join_timeout=10, failure_grace=10)
+    joiner = EpochJoiner(membership=Membership("n0.0", spare=False), kv=kv, channel=None, coordinator=coordinator,
+                         groups=groups, tracked=None, restorer=None, boundary=None, wrappers=None, checkpoints=None,
+                         report=None, events=EventLog(str(tmp_path / "events.jsonl"), "n0.0"), placement=None,
+                         world_size=2, join_timeout=10, failure_grace=10)
+    kv.set(keys.epoch_plan(1), RecoveryPlan(1, failed=[1], writer="agent0").encode())
     joiner.watcher = EpochWatcher(kv.clone(), RecoveryPlan(1), lambda plan: groups.abort(plan.epoch))
     yield joiner
     joiner.watcher.stop()
     groups.destroy()
 
 
-def test_a_formation_that_times_out_waits_for_the_missing_members_failure_and_joins_the_next_epoch(joiner):
-    declare_after = 5 * CONNECT_TIMEOUT + 2.0  # well after the formation gave up
-    declared = []
-
-    def declare_rank_1_failed():
-        time.sleep(declare_after)
-        declared.append(time.monotonic())
-        joiner.kv.set(keys.epoch_plan(2), RecoveryPlan(2, failed=[1], reason="rank 1 hung").encode())
-
-    declarer = threading.Thread(target=declare_rank_1_failed)
-    started = time.monotonic()
-    declarer.start()
+def test_a_formation_that_times_out_joins_the_epoch_that_declares_the_missing_member_lost(joiner):
+    declared = threading.Timer(0.6, lambda: joiner.kv.set(
+        keys.epoch_plan(2), RecoveryPlan(2, failed=[1], reason="rank 1 was killed").encode()))
+    declared.start()  # after the formation gave up (0.2 s), within FORMATION_GRACE
     try:
         with pytest.raises(Superseded):
             joiner._form(1, rank=0)
     finally:
-        declarer.join()
-    assert time.monotonic() - started >= declare_after and joiner.watcher.latest.epoch == 2
+        declared.join()
+    latest = joiner.watcher.latest
+    assert latest.epoch == 2 and latest.failed == [1]  # the failure's epoch, no regroup
 
 
-def test_a_formation_that_times_out_with_no_failure_declared_raises_the_timeout(joiner):
-    joiner.failure_grace = 0.5
-    with pytest.raises(PeerstateTimeoutError, match="forming the process group of epoch 1 failed"):
+def test_a_formation_that_times_out_with_nobody_lost_is_formed_again_in_a_regroup(joiner):
+    started = time.monotonic()
+    with pytest.raises(Superseded):
         joiner._form(1, rank=0)
-    assert joiner.watcher.latest.epoch == 1
+    assert time.monotonic() - started >= joiner_module.FORMATION_GRACE
+    regroup = joiner.watcher.latest
+    assert regroup.epoch == 2 and regroup.failed == [] and regroup.replaced == {}
+    assert "no member was declared lost (one was late)" in regroup.reason and "forming the process group" in \
+        regroup.reason
+
+
+def test_formation_timeouts_in_a_row_that_no_loss_explains_raise_the_timeout(joiner, monkeypatch):
+    monkeypatch.setattr(joiner_module, "FORMATION_GRACE", 0.05)
+    for epoch in range(1, 1 + joiner_module.MAX_FORMATION_REGROUPS):
+        with pytest.raises(Superseded):
+            joiner._form(epoch, rank=0)
+        assert joiner.watcher.latest.epoch == epoch + 1
+    with pytest.raises(PeerstateTimeoutError, match="forming the process group of epoch"):
+        joiner._form(1 + joiner_module.MAX_FORMATION_REGROUPS, rank=0)

@@ -7,7 +7,8 @@ thread bumps at the same pace (``_C.LivenessTicker``). A frozen process
 (SIGSTOP, a cgroup freeze) stops both; an interpreter stuck in a native call
 that holds the GIL stops the first only; a rank that is merely blocked in a
 collective on a frozen peer keeps both ticking, so only the frozen rank is
-blamed. The agent bounds each phase by what can stall it (``hang_bound``).
+blamed. The agent bounds each phase by what can stall it
+(``launcher.processes.WorkerProcess.read_progress``).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.worker.abort import AbortHandler
 from peerstate.worker.checkpoint import DiskCheckpoints
-from peerstate.worker.joiner import EpochJoiner, Superseded
+from peerstate.worker.joiner import FORM_CONNECT_TIMEOUT, EpochJoiner, Superseded
 from peerstate.worker.membership import EpochWatcher, Membership, MemberState
 from peerstate.worker.meshes import DeclaredMesh, replica_dimension
 from peerstate.worker.process_groups import ProcessGroups, Subgroup, claim_default_group, release_default_group
@@ -115,9 +115,11 @@ class Job:
             A collective that times out while every rank lives (a busy rank)
             makes the job regroup at the last common step with twice the
             timeout, said on stderr (``regroup``). And a gloo group is created
-            under ``abort_timeout / 10``: a member that dies inside the
-            re-forming holds the others up to five times that (gloo's connect
-            wait), again ``abort_timeout / 2``.
+            under ``min(abort_timeout / 10, FORM_CONNECT_TIMEOUT)`` (2 s): a member
+            that dies inside the re-forming holds the others up to five times that
+            (gloo's connect wait); a formation that times out with no member lost
+            (one was late) makes the same members form it again in a new epoch
+            (``EpochJoiner._form``).
         data_parallel_shares: with ``track(data_parallel=...)``, how many shares the
             data-parallel state is split into for snapshots (``DataParallelShares``):
             the i-th rank of a node snapshots share i % shares. Default: one share
@@ -166,7 +168,7 @@ class Job:
         # gloo: a collective or a rendezvous that no abort wakes fails on its own well
         # before the deadline (the members reach form() together: a join is a barrier).
         self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,
-                                    connect_timeout=abort_timeout / 10)
+                                    connect_timeout=min(abort_timeout / 10, FORM_CONNECT_TIMEOUT))
         self.membership = Membership(env.worker, spare=env.spare)
         self.tracked = TrackedState(nodes, k, data_parallel_shares, versions, snapshot_threads)
         self._meshes: List[DeclaredMesh] = []

@@ -29,6 +29,22 @@ from peerstate.worker.step_boundary import StepBoundary, reserve_replicas
 from peerstate.worker.tracked_state import TrackedState
 
 
+# A gloo group of an epoch is created under this timeout at most (Job: the smaller of it and
+# abort_timeout / 10). The members reach the formation together, after the join's barrier,
+# and forming takes milliseconds; a member that dies in it holds the others up to five
+# times this (gloo's connect wait, which nothing can end: see process_groups). The soak met
+# that wait at abort_timeout / 10 = 6 s: 30 s with no step.
+FORM_CONNECT_TIMEOUT = 2.0
+# After a formation timed out, how long a member waits for a newer epoch before it asks
+# for a regroup: a killed member's failure is declared in milliseconds. (A frozen one's
+# after --hang-timeout: the regroup's epoch then waits for its report, and the failure's
+# epoch comes next.)
+FORMATION_GRACE = 1.0
+# Formation timeouts in a row that no lost member explains: then the timeout is raised
+# (the rank exits), rather than regrouping for ever.
+MAX_FORMATION_REGROUPS = 3
+
+
 class Superseded(Exception):
     """A newer epoch began while this one was being joined."""
 
@@ -65,6 +81,7 @@ class EpochJoiner:
         self.watcher: Optional[EpochWatcher] = None
         self.next_step = 0
         self.recoveries = 0
+        self._formation_timeouts = 0  # in a row, that no lost member explained
 
     def recover(self) -> None:
         """Join the newest epoch, and again while newer ones supersede it."""
@@ -140,19 +157,39 @@ class EpochJoiner:
         self.wrappers.rebuild()
 
     def _form(self, epoch: int, rank: int) -> None:
-        """Re-form the process groups. Superseded when a newer epoch began meanwhile,
-        including the one that declares a member that froze or died in the rendezvous:
-        after a formation timeout it is waited for (``failure_declared``), so that this
-        member joins that epoch rather than exit and cost the job another spare."""
+        """Re-form the process groups. Superseded when a newer epoch began meanwhile.
+        After a formation timeout, this member does not exit (that would cost the job
+        a spare): it joins the epoch that declares a member lost in the rendezvous, or,
+        when none comes within ``FORMATION_GRACE`` (a member was late, not lost), asks
+        for a regroup, in which the same members form the group again. After
+        ``MAX_FORMATION_REGROUPS`` such timeouts in a row, or in epoch 0, the timeout
+        is raised."""
         try:
             self.groups.form(self.kv, epoch, rank, self.world_size, self.join_timeout)
         except AbortedError:
             raise Superseded() from None
-        except PeerstateTimeoutError:
-            if self.failure_declared(epoch):
+        except PeerstateTimeoutError as error:
+            if self.watcher.wait_newer(epoch, FORMATION_GRACE):
+                raise Superseded() from None
+            self._formation_timeouts += 1
+            if epoch == 0 or self._formation_timeouts > MAX_FORMATION_REGROUPS:
+                raise  # at the job's start there is no step to regroup at: it fails, saying why
+            self._regroup_after(error, epoch, rank)
+            if self.watcher.wait_newer(epoch, self.join_timeout):
                 raise Superseded() from None
             raise
+        self._formation_timeouts = 0
         self.check_current(epoch)
+
+    def _regroup_after(self, error: BaseException, epoch: int, rank: int) -> None:
+        worker = self.membership.worker
+        reason = (f"rank {rank}: {error}, and no member was declared lost (one was late): the same members form "
+                  f"it again in epoch {epoch + 1}")
+        plan = self.coordinator.regroup(epoch, reason, writer=f"agent{node_of_worker(worker)}", me=worker,
+                                        collective_timeout=self.watcher.latest.collective_timeout)
+        if plan is not None:  # else another member (or a failure) began the next epoch first
+            print(f"peerstate: {reason}", file=sys.stderr, flush=True)
+            self.events.write("regroup", epoch=plan.epoch, rank=rank, cause="formation timeout")
 
     def _report_and_wait(self, epoch: int, needs_state: bool) -> MemberInstructions:
         """Hand this member's report to its agent (the node channel) and wait for its

@@ -37,7 +37,8 @@ created under ``connect_timeout`` and given its real timeout once formed. That
 is safe because form() is only called when every member has reported for the
 epoch (``Job``'s join is a barrier): the members reach it together, and
 forming takes milliseconds; a member that dies in between costs the others
-at most five times ``connect_timeout``.
+at most five times ``connect_timeout``, and one that comes late makes the
+others regroup (``EpochJoiner._form``).
 
 One gloo collective no abort can wake: a send still being written when its
 peer dies. gloo's tcp transport keeps a partly written send in the pair's
