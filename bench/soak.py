@@ -183,6 +183,11 @@ def reread_rounds(workdir: Path) -> tuple:
     return rounds, steps
 
 
+# A fault this soon after the last recovery's first step is in its window: the ranks' first
+# copies since it may not all have reached their holders (ten of the soak's paced steps).
+WINDOW_SECONDS = 1.0
+
+
 def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
     """Each fault that landed: its kind, victims, outcome, and the time from its first
     part to the first step after the recovery that ended it.
@@ -200,6 +205,9 @@ def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
     # their ranks within that window is a loss"); after a fallback, that is from the checkpoint again.
     no_copy_yet = {e["epoch"] for e in events if e["event"] == "checkpoint_fallback"
                    and "no committed copy on any holder yet" in e.get("message", "")}
+    # The same window seen from the holders: some ranks' first copies landed, others' not.
+    mixed = {e["epoch"] for e in events if e["event"] == "checkpoint_fallback"
+             and "the copies are of different steps" in e.get("message", "")}
     losses = {e["epoch"] for e in events if e["event"] == "state_lost"}
     stopped = [e["time"] for e in events if e["event"] == "job_failed"]
     spares_started = [e["time"] for e in events if e["event"] == "spare_started"]
@@ -241,7 +249,8 @@ def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
             continue
         epoch, end, recovery = ended
         fault["outcome"] = "checkpoint" if any(e in fallbacks for e in through) else "recovered"
-        fault["no_copy_yet"] = any(e in no_copy_yet for e in through)
+        since_last = start - max((end for epoch, end, _ in completed if epoch < first), default=-math.inf)
+        fault["no_copy_yet"] = any(e in no_copy_yet or (e in mixed and since_last < WINDOW_SECONDS) for e in through)
         fault["seconds"] = end - start
         phases = {k: v for k, v in recovery["phases_s"].items() if v is not None}
         fault["slowest_phase"] = max(phases, key=phases.get) if phases else None

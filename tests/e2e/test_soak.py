@@ -106,6 +106,32 @@ def test_a_kill_within_a_step_of_a_fallback_is_counted_apart_not_as_an_unexpecte
     assert not summary["unexpected_fallbacks"] and summary["no_copy_yet_fallbacks"] == [fault]
 
 
+def test_a_kill_just_after_a_fallback_whose_holders_hold_mixed_steps_is_in_the_same_window():
+    # From a real round (seed 11's round 4, 12:57 run): rank 2 killed 0.13 s after the first
+    # step of a recovery from the checkpoint; some ranks' first copies had reached their
+    # holders, others' not, so no version was held for every rank. The same window as above,
+    # seen from the holders; the same message a second after the recovery would be a finding.
+    soak = _soak_module()
+
+    def round_with_kill_at(kill):
+        return [
+            _event("plan", 74.0, epoch=8, failed=[3], detected_at=73.9),
+            _event("checkpoint_fallback", 75.45, epoch=8, message="ranks 1 and 3 lost; ..."),
+            _event("recovery", 75.90, epoch=8, marks={"0": {"first step": 75.90}}, phases_s={"plan": 0.1}),
+            _event("fault_injected", kill, scenario=6, scenario_kind="kill", kind="kill", rank=2),
+            _event("plan", kill + 0.1, epoch=9, failed=[2], detected_at=kill + 0.01),
+            _event("checkpoint_fallback", kill + 0.11, epoch=9, message="rank 2 lost; no version is held for "
+                                                                         "every rank at once (the copies are of "
+                                                                         "different steps)"),
+            _event("recovery", kill + 0.9, epoch=9, marks={"0": {"first step": kill + 0.9}}, phases_s={"plan": 0.1}),
+        ]
+
+    [fault] = soak.analyse(round_with_kill_at(76.03), soak.buddies())
+    assert fault["outcome"] == "checkpoint" and not fault["every_copy_taken"] and fault["no_copy_yet"], fault
+    [late] = soak.analyse(round_with_kill_at(76.03 + soak.WINDOW_SECONDS), soak.buddies())
+    assert late["outcome"] == "checkpoint" and not late["no_copy_yet"], late
+
+
 class _StalledJob:
     """The part of ``LocalJob`` that ``dump_stalled`` reads (a second implementation:
     its log folder, and the live processes holding ranks)."""
