@@ -249,7 +249,7 @@ def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
             continue
         epoch, end, recovery = ended
         fault["outcome"] = "checkpoint" if any(e in fallbacks for e in through) else "recovered"
-        since_last = start - max((end for epoch, end, _ in completed if epoch < first), default=-math.inf)
+        since_last = start - max((at for done, at, _ in completed if done < first), default=-math.inf)
         fault["no_copy_yet"] = any(e in no_copy_yet or (e in mixed and since_last < WINDOW_SECONDS) for e in through)
         fault["seconds"] = end - start
         phases = {k: v for k, v in recovery["phases_s"].items() if v is not None}

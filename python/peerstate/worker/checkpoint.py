@@ -19,13 +19,17 @@ from peerstate.worker.rebuild import DistributedWrappers
 from peerstate.worker.tracked_state import TrackedState
 
 
+def _complete(path: str) -> bool:
+    """Whether checkpoint directory ``path`` is complete: DCP writes .metadata last."""
+    return os.path.exists(os.path.join(path, ".metadata"))
+
+
 def latest_checkpoint(directory: Optional[str]) -> Optional[Tuple[int, str]]:
-    """(step, path) of the newest complete checkpoint in ``directory`` (DCP writes
-    .metadata last, so a directory without it is incomplete)."""
+    """(step, path) of the newest complete checkpoint in ``directory``."""
     if not directory or not os.path.isdir(directory):
         return None
     done = [name for name in os.listdir(directory)
-            if name.startswith("step_") and os.path.exists(os.path.join(directory, name, ".metadata"))]
+            if name.startswith("step_") and _complete(os.path.join(directory, name))]
     if not done:
         return None
     newest = max(done)
@@ -59,7 +63,7 @@ class DiskCheckpoints:
         import torch.distributed.checkpoint as dcp
 
         path = os.path.join(self.directory, f"step_{step:09d}")
-        if os.path.exists(os.path.join(path, ".metadata")):
+        if _complete(path):
             return
         for store in self.tracked.all_stores():
             store.wait()
