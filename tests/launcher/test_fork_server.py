@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 from peerstate.errors import JobFailedError  # noqa: E402
-from peerstate.launcher.fork_server import ForkServer  # noqa: E402
+from peerstate.launcher.fork_server import DEFAULT_PRELOAD, ForkServer  # noqa: E402
 from peerstate.tools.local import alive, wait_until  # noqa: E402
 
 SCRIPT = textwrap.dedent("""
@@ -122,3 +122,29 @@ def test_a_preload_that_fails_says_which_and_how_to_do_without(tmp_path):
     finally:
         forks.close()
     assert forks._popen.poll() is not None
+
+
+OPTIMIZER_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    before = set(sys.modules)
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))], lr=1e-3)
+    with open(sys.argv[1], "w") as f:
+        json.dump(sorted(set(sys.modules) - before), f)
+""")
+
+
+def test_a_forked_worker_builds_its_optimizer_without_importing_anything_heavy(tmp_path):
+    """The default preload holds what torch's optimizers import when they are built
+    (torch._dynamo: seconds of a spare's start, on its way to ready)."""
+    script = tmp_path / "optimizer.py"
+    script.write_text(OPTIMIZER_SCRIPT)
+    forks = ForkServer(list(DEFAULT_PRELOAD), dict(os.environ), str(tmp_path / "server.log"))
+    try:
+        forked = forks.spawn([str(script), str(tmp_path / "imported.json")], dict(os.environ),
+                             str(tmp_path / "forked.log"))
+        assert forked.wait(timeout=120) == 0, (tmp_path / "forked.log").read_text()
+    finally:
+        forks.close()
+    imported = json.loads((tmp_path / "imported.json").read_text())
+    assert not [m for m in imported if m.startswith(("torch._dynamo", "sympy"))], imported

@@ -9,7 +9,8 @@ then forks a child per request, which becomes the script as ``python
 script.py ARGS`` would run it (``runpy.run_path`` as ``__main__``, the
 request's argv, environment, working directory and log; its own session;
 SIGKILL when its parent dies). A spare is then ready in the time its script
-takes to reach ``peerstate.Job()``.
+takes to reach ``track()``'s wait, less what the preload imported (by default
+torch, torch._dynamo, which torch's optimizers import, and peerstate).
 
 What differs from a fresh interpreter, on purpose and said here: modules
 preloaded are imported once with the server's environment (the per-worker
@@ -44,7 +45,9 @@ from typing import Dict, List, Mapping, Optional
 from peerstate.errors import JobFailedError
 from peerstate.launcher.processes import die_with_parent
 
-DEFAULT_PRELOAD = ("torch", "peerstate.worker.job")
+# torch._dynamo: every torch.optim optimizer imports it in its constructor (torch._disable_dynamo),
+# 3-6 CPU-seconds on a busy core, most of a spare's start to ready when each worker paid it.
+DEFAULT_PRELOAD = ("torch", "torch._dynamo", "peerstate.worker.job")
 
 
 class ForkedProcess:
