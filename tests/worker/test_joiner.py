@@ -16,12 +16,13 @@ from peerstate.control import keys  # noqa: E402
 from peerstate.control.coordinator import Coordinator  # noqa: E402
 from peerstate.control.kvstore import TorchKeyValueStore  # noqa: E402
 from peerstate.control.messages import RecoveryPlan  # noqa: E402
-from peerstate.control.timeline import EventLog  # noqa: E402
+from peerstate.control.timeline import EventLog, read_events  # noqa: E402
 from peerstate.errors import TimeoutError as PeerstateTimeoutError  # noqa: E402
 from peerstate.worker import joiner as joiner_module  # noqa: E402
 from peerstate.worker.joiner import EpochJoiner, Superseded  # noqa: E402
 from peerstate.worker.membership import EpochWatcher, Membership  # noqa: E402
 from peerstate.worker.process_groups import ProcessGroups  # noqa: E402
+from peerstate.worker.regroup import BusyPeerRegroup  # noqa: E402
 
 CONNECT_TIMEOUT = 0.2  # gloo gives up on the missing member within 5 x this
 
@@ -37,10 +38,13 @@ def joiner(monkeypatch, tmp_path):
     coordinator = Coordinator(kv)
     coordinator.start("agent0")
     groups = ProcessGroups("gloo", connect_timeout=CONNECT_TIMEOUT)
+    events = EventLog(str(tmp_path / "events.jsonl"), "n0.0")
+    regroup = BusyPeerRegroup(coordinator, groups, events, "agent0", "n0.0", world_size=2, abort_timeout=10,
+                              join_timeout=10)
     joiner = EpochJoiner(membership=Membership("n0.0", spare=False), kv=kv, channel=None, coordinator=coordinator,
                          groups=groups, tracked=None, restorer=None, boundary=None, wrappers=None, checkpoints=None,
-                         report=None, events=EventLog(str(tmp_path / "events.jsonl"), "n0.0"), placement=None,
-                         world_size=2, join_timeout=10, failure_grace=10)
+                         report=None, events=events, placement=None, regroup=regroup, world_size=2, join_timeout=10,
+                         failure_grace=10)
     kv.set(keys.epoch_plan(1), RecoveryPlan(1, failed=[1], writer="agent0").encode())
     joiner.watcher = EpochWatcher(kv.clone(), RecoveryPlan(1), lambda plan: groups.abort(plan.epoch))
     yield joiner
@@ -70,6 +74,8 @@ def test_a_formation_that_times_out_with_nobody_lost_is_formed_again_in_a_regrou
     assert regroup.epoch == 2 and regroup.failed == [] and regroup.replaced == {}
     assert "no member was declared lost (one was late)" in regroup.reason and "forming the process group" in \
         regroup.reason
+    said = [e for e in read_events(joiner.events.path) if e["event"] == "regroup"]
+    assert [(e["epoch"], e["cause"]) for e in said] == [(2, "formation timeout")]
 
 
 def test_formation_timeouts_in_a_row_that_no_loss_explains_raise_the_timeout(joiner, monkeypatch):

@@ -184,11 +184,11 @@ class Job:
         self.capture = os.environ.get("PEERSTATE_CAPTURE", "1") != "0"
         self.resume = CheckpointResume(self.kv, checkpoints, self.boundary, self.tracked, self.events)
         self.restorer = Restorer(self.membership, self.tracked, checkpoints, self.report)
-        self.joiner = EpochJoiner(self.membership, self.kv, self.channel, self.coordinator, self.groups, self.tracked,
-                                  self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,
-                                  self.placement, env.world_size, join_timeout, failure_grace)
         self.regroup = BusyPeerRegroup(self.coordinator, self.groups, self.events, f"agent{env.node}", env.worker,
                                        env.world_size, abort_timeout, join_timeout)
+        self.joiner = EpochJoiner(self.membership, self.kv, self.channel, self.coordinator, self.groups, self.tracked,
+                                  self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,
+                                  self.placement, self.regroup, env.world_size, join_timeout, failure_grace)
         self.aborts = AbortHandler(self.membership, [self.groups.abort, self._abort_transfers,
                                                      self.boundary.on_new_epoch], self.events,
                                    abort_timeout, on_abort=self.report.marks.clear)

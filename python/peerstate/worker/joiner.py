@@ -23,6 +23,7 @@ from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.membership import EpochWatcher, Membership
 from peerstate.worker.process_groups import ProcessGroups
 from peerstate.worker.rebuild import DistributedWrappers
+from peerstate.worker.regroup import BusyPeerRegroup
 from peerstate.worker.report import RecoveryReport
 from peerstate.worker.restorer import Background, Restorer
 from peerstate.worker.step_boundary import StepBoundary, reserve_replicas
@@ -59,7 +60,7 @@ class EpochJoiner:
     def __init__(self, membership: Membership, kv: KeyValueStore, channel: KeyValueStore, coordinator: Coordinator,
                  groups: ProcessGroups, tracked: TrackedState, restorer: Restorer, boundary: StepBoundary,
                  wrappers: DistributedWrappers, checkpoints: DiskCheckpoints, report: RecoveryReport,
-                 events: EventLog, placement: BuddyPlacement, world_size: int,
+                 events: EventLog, placement: BuddyPlacement, regroup: BusyPeerRegroup, world_size: int,
                  join_timeout: float, failure_grace: float) -> None:
         self.membership = membership
         self.kv = kv
@@ -74,6 +75,7 @@ class EpochJoiner:
         self.report = report
         self.events = events
         self.placement = placement
+        self.regroup = regroup  # asks for a regroup when a formation times out with nobody lost
         self.world_size = world_size
         self.join_timeout = join_timeout
         self.failure_grace = failure_grace
@@ -182,14 +184,9 @@ class EpochJoiner:
         self.check_current(epoch)
 
     def _regroup_after(self, error: BaseException, epoch: int, rank: int) -> None:
-        worker = self.membership.worker
         reason = (f"rank {rank}: {error}, and no member was declared lost (one was late): the same members form "
                   f"it again in epoch {epoch + 1}")
-        plan = self.coordinator.regroup(epoch, reason, writer=f"agent{node_of_worker(worker)}", me=worker,
-                                        collective_timeout=self.watcher.latest.collective_timeout)
-        if plan is not None:  # else another member (or a failure) began the next epoch first
-            print(f"peerstate: {reason}", file=sys.stderr, flush=True)
-            self.events.write("regroup", epoch=plan.epoch, rank=rank, cause="formation timeout")
+        self.regroup.begin(epoch, rank, reason, self.watcher.latest.collective_timeout, cause="formation timeout")
 
     def _report_and_wait(self, epoch: int, needs_state: bool) -> MemberInstructions:
         """Hand this member's report to its agent (the node channel) and wait for its

@@ -93,13 +93,19 @@ class BusyPeerRegroup:
         message = (f"{told}. The job rolls back to the last step every rank holds and goes on with a collective "
                    f"timeout of {longer:.0f}s; raise Job(abort_timeout=...) above twice the longest such wait to "
                    "avoid the replay.")
+        self.begin(epoch, rank, message, longer, step=step, waited=waited, not_timed_out=others)
+        return watcher.wait_newer(epoch, self._join_timeout)
+
+    def begin(self, epoch: int, rank: int, message: str, collective_timeout: float, **event: object) -> None:
+        """Ask for epoch ``epoch + 1`` with the same members and ``collective_timeout``,
+        and say ``message`` (the why) where the plan was this member's: another
+        member, or a failure, may have begun that epoch first. Does not wait for it."""
         plan = self._coordinator.regroup(epoch, message, writer=self._agent, me=self._worker,
-                                         collective_timeout=longer)
+                                         collective_timeout=collective_timeout)
         if plan is not None:
             print(f"peerstate: {message}", file=sys.stderr, flush=True)
-            self._events.write("regroup", epoch=plan.epoch, rank=rank, step=step, waited=waited,
-                               collective_timeout=longer, not_timed_out=others)
-        return watcher.wait_newer(epoch, self._join_timeout)
+            self._events.write("regroup", epoch=plan.epoch, rank=rank, collective_timeout=collective_timeout,
+                               **event)
 
 
 def _listed(ranks: List[int], most: int = 8) -> str:
