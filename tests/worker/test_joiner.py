@@ -86,3 +86,26 @@ def test_formation_timeouts_in_a_row_that_no_loss_explains_raise_the_timeout(joi
         assert joiner.watcher.latest.epoch == epoch + 1
     with pytest.raises(PeerstateTimeoutError, match="forming the process group of epoch"):
         joiner._form(1 + joiner_module.MAX_FORMATION_REGROUPS, rank=0)
+
+
+def test_a_recovery_forms_under_a_shorter_connect_timeout_that_doubles_after_each_late_member(joiner, monkeypatch):
+    """A member killed in a recovery's formation holds the others five connect timeouts
+    (gloo's wait for a peer to connect): a recovery forms under a shorter one than the
+    job's, and a formation that times out with nobody lost (a slow machine) doubles it."""
+    monkeypatch.setattr(joiner_module, "FORMATION_GRACE", 0.05)
+    joiner.groups.connect_timeout = 1.6  # the job's, the ceiling
+    joiner.recovery_connect_timeout = 0.1
+    started = time.monotonic()
+    with pytest.raises(Superseded):
+        joiner._form(1, rank=0)
+    assert time.monotonic() - started < 1.6  # gave up under the recovery's timeout, not the job's
+    assert joiner.recovery_connect_timeout == 0.2
+    for epoch, doubled in ((2, 0.4), (3, 0.8), (4, 1.6)):
+        joiner._formation_timeouts = 0  # the members' own limit on regroups in a row is not tested here
+        with pytest.raises(Superseded):
+            joiner._form(epoch, rank=0)
+        assert joiner.recovery_connect_timeout == doubled
+    joiner._formation_timeouts = 0
+    with pytest.raises(Superseded):
+        joiner._form(5, rank=0)
+    assert joiner.recovery_connect_timeout == 1.6  # never past the job's

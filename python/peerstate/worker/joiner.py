@@ -33,9 +33,17 @@ from peerstate.worker.tracked_state import TrackedState
 # A gloo group of an epoch is created under this timeout at most (Job: the smaller of it and
 # abort_timeout / 10). The members reach the formation together, after the join's barrier,
 # and forming takes milliseconds; a member that dies in it holds the others up to five
-# times this (gloo's connect wait, which nothing can end: see process_groups). The soak met
-# that wait at abort_timeout / 10 = 6 s: 30 s with no step.
+# times this (gloo's connect wait for a peer that was to connect to it, which nothing can
+# end: see process_groups). The soak met that wait at abort_timeout / 10 = 6 s: 30 s with
+# no step.
 FORM_CONNECT_TIMEOUT = 2.0
+# A recovery's formation starts under this one instead: a member killed in the middle of it
+# (a second kill during a recovery) held the others 10 s under FORM_CONNECT_TIMEOUT, with
+# no step, one formation in ten in the soak; a formation there took 0.11 s at the median
+# and 0.27 s at most (36 of them, the members' arrival included). It doubles after each
+# formation timeout that no loss explains (a slower machine), up to FORM_CONNECT_TIMEOUT.
+# At epoch 0 a timeout stops the job, so that formation takes the whole FORM_CONNECT_TIMEOUT.
+RECOVERY_CONNECT_TIMEOUT = 0.5
 # After a formation timed out, how long a member waits for a newer epoch before it asks
 # for a regroup: a killed member's failure is declared in milliseconds. (A frozen one's
 # after --hang-timeout: the regroup's epoch then waits for its report, and the failure's
@@ -79,6 +87,8 @@ class EpochJoiner:
         self.world_size = world_size
         self.join_timeout = join_timeout
         self.failure_grace = failure_grace
+        ceiling = groups.connect_timeout
+        self.recovery_connect_timeout = min(ceiling, RECOVERY_CONNECT_TIMEOUT) if ceiling else None
         self.replication: Optional[Replication] = None
         self.watcher: Optional[EpochWatcher] = None
         self.next_step = 0
@@ -166,8 +176,9 @@ class EpochJoiner:
         for a regroup, in which the same members form the group again. After
         ``MAX_FORMATION_REGROUPS`` such timeouts in a row, or in epoch 0, the timeout
         is raised."""
+        connect = self.recovery_connect_timeout if epoch > 0 else None
         try:
-            self.groups.form(self.kv, epoch, rank, self.world_size, self.join_timeout)
+            self.groups.form(self.kv, epoch, rank, self.world_size, self.join_timeout, connect_timeout=connect)
         except AbortedError:
             raise Superseded() from None
         except PeerstateTimeoutError as error:
@@ -176,6 +187,8 @@ class EpochJoiner:
             self._formation_timeouts += 1
             if epoch == 0 or self._formation_timeouts > MAX_FORMATION_REGROUPS:
                 raise  # at the job's start there is no step to regroup at: it fails, saying why
+            if connect:  # a late member, not a lost one: this machine forms slower than that
+                self.recovery_connect_timeout = min(2 * connect, self.groups.connect_timeout)
             self._regroup_after(error, epoch, rank)
             if self.watcher.wait_newer(epoch, self.join_timeout):
                 raise Superseded() from None

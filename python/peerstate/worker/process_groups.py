@@ -33,12 +33,13 @@ address and died before connecting. gloo picks one side of each pair to
 connect (by address order); the other waits for it in
 ``Pair::waitUntilConnected`` for five times the group's timeout, and nothing
 can end that wait (there is no socket yet to shut down). So a gloo group is
-created under ``connect_timeout`` and given its real timeout once formed. That
+created under a connect timeout (form()'s, ``connect_timeout`` by default) and
+given its real timeout once formed. That
 is safe because form() is only called when every member has reported for the
 epoch (``Job``'s join is a barrier): the members reach it together, and
 forming takes milliseconds; a member that dies in between costs the others
-at most five times ``connect_timeout``, and one that comes late makes the
-others regroup (``EpochJoiner._form``).
+at most five times the connect timeout, and one that comes late makes the
+others regroup (``EpochJoiner._form``, which also picks the connect timeout).
 
 One gloo collective no abort can wake: a send still being written when its
 peer dies. gloo's tcp transport keeps a partly written send in the pair's
@@ -138,11 +139,13 @@ class ProcessGroups:
         self._abort_epoch = -1             # the newest epoch that asked for an abort
         self._lock = threading.Lock()
 
-    def form(self, kv, epoch: int, rank: int, world_size: int, timeout: float) -> None:
+    def form(self, kv, epoch: int, rank: int, world_size: int, timeout: float,
+             connect_timeout: Optional[float] = None) -> None:
         """Join the epoch's group through the job's store ``kv`` (a KeyValueStore; blocks
         until every rank joins, ``timeout``, or an abort for a newer epoch: then
         AbortedError). With gloo, a member that dies in the rendezvous can hold it up to
-        five times ``connect_timeout`` past the abort."""
+        five times the connect timeout past the abort: ``connect_timeout``, or the
+        one this object was made with."""
         import torch.distributed as dist
 
         self.destroy()
@@ -157,7 +160,8 @@ class ProcessGroups:
         # formed group is destroyed: a rendezvous aborted part way leaves it counted up,
         # and this rank would then wait under another name than a fresh spare's.
         dist.distributed_c10d._world.group_count = 0
-        connect = timeout if self.backend != "gloo" or self.connect_timeout is None else self.connect_timeout
+        connect = connect_timeout or self.connect_timeout
+        connect = timeout if self.backend != "gloo" or connect is None else connect
         try:
             prefixed = dist.PrefixStore(keys.process_group_prefix(epoch), rendezvous)
             dist.distributed_c10d.init_process_group(  # not dist.init_process_group: see claim_default_group
