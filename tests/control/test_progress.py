@@ -80,3 +80,61 @@ def test_a_bad_word_is_refused_with_what_was_wrong(tmp_path):
     assert stopped > 0 and progress.ProgressCounter(path).read() == (0, -1, stopped)
     time.sleep(0.05)
     assert ticker.count == stopped
+
+
+CLOSING = """
+import sys, time
+from peerstate.control.progress import ProgressCounter
+counter = ProgressCounter(sys.argv[1])
+counter.start_ticking(0.02)
+counter.set_step(5)
+print("ticking", flush=True)
+sys.stdin.readline()
+if sys.argv[2] == "exiting":
+    counter.exiting()  # what Job.close() does
+counter.close()
+print("closed", flush=True)
+time.sleep(60)  # a slow teardown
+"""
+
+
+def _watched(tmp_path, how):
+    from peerstate.launcher.processes import WorkerProcess
+
+    path = str(tmp_path / f"{how}.progress")
+    progress.create(path)
+    process = subprocess.Popen([sys.executable, "-c", CLOSING, path, how], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ticking\n"
+    return process, WorkerProcess("n0.0", 0, process, progress.ProgressCounter(path), tmp_path / "log")
+
+
+def _causes(watched, seconds, hang_timeout=0.3, join_timeout=30.0):
+    seen = set()
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        seen.add(watched.read_progress(time.monotonic(), hang_timeout, join_timeout))
+        time.sleep(0.02)
+    return seen
+
+
+@pytest.mark.parametrize("how", ["exiting", "stopped"])
+def test_a_worker_that_closed_its_job_is_not_hung_while_it_exits_but_a_frozen_one_is(tmp_path, how):
+    process, watched = _watched(tmp_path, how)
+    try:
+        assert _causes(watched, 0.3) == {None}  # stepping
+        process.stdin.write("close\n")
+        process.stdin.flush()
+        assert process.stdout.readline() == "closed\n"
+        if how == "stopped":  # a heartbeat that stops without the mark: a stalled interpreter
+            assert "stalled" in _causes(watched, 1.0)
+            return
+        assert _causes(watched, 1.0) == {None}  # 3 x hang_timeout of teardown: bounded by join_timeout
+        assert "stalled" in _causes(watched, 0.5, join_timeout=0.2)
+        process.send_signal(signal.SIGSTOP)
+        assert "frozen" in _causes(watched, 1.0)
+    finally:
+        process.kill()
+        process.wait()
+        watched.counter.close()
+        watched.exit_watch.close()

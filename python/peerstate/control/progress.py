@@ -30,6 +30,12 @@ FINISHED = -2  # the step word once the worker has finished: it is no longer wat
 # ticker thread; those phases are bounded by their own timeouts. The liveness count
 # is bounded by --hang-timeout in every phase: nothing healthy stops it.
 SETUP = -3
+# The step word once a worker closed its job without finishing its loop (an error left
+# it): the interpreter's teardown with torch loaded takes a second or more after the
+# Python heartbeat stops, so its exit is bounded by --join-timeout, not --hang-timeout
+# (a worker exiting on an exception was killed as hung, hiding how it ended). The
+# liveness count still bounds a frozen one by --hang-timeout.
+EXITING = -4
 _LIVENESS_OFFSET = 16
 
 
@@ -88,6 +94,12 @@ class ProgressCounter:
     def finish(self) -> None:
         """Mark the worker done: from here to its exit it is not watched for hangs."""
         self.set_step(FINISHED)
+
+    def exiting(self) -> None:
+        """Mark a worker that leaves without finishing (see ``EXITING``); a finished one
+        stays finished."""
+        if self.read()[1] != FINISHED:
+            self.set_step(EXITING)
 
     def close(self) -> None:
         """Stop the Python heartbeat. The liveness count runs on until the process is

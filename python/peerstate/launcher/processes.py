@@ -44,8 +44,9 @@ class WorkerProcess:
     def read_progress(self, now: float, hang_timeout: float, join_timeout: float) -> Optional[str]:
         """Read its progress counter at ``now``: the cause (a key of ``HANG_CAUSES``)
         when it is hung, else None. Its Python heartbeat is bounded by ``hang_timeout``
-        in the loop, and by ``join_timeout`` before its first step and while it recovers
-        (``progress.SETUP`` says why), as nvidia-resiliency-ext bounds the first
+        in the loop, and by ``join_timeout`` before its first step, while it recovers
+        (``progress.SETUP`` says why) and once it closed its job without finishing
+        (``progress.EXITING``), as nvidia-resiliency-ext bounds the first
         heartbeat apart from the later ones. Its native liveness count is bounded by
         ``hang_timeout`` throughout: a worker frozen while it recovers is found as fast
         as one frozen in its loop, and before its peers' group formation gives up on it.

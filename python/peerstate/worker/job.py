@@ -455,6 +455,7 @@ class Job:
         release_default_group()
         self.tracked.close()
         if self.progress:
+            self.progress.exiting()
             self.progress.close()
 
     def __enter__(self) -> "Job":
