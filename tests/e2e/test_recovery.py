@@ -108,14 +108,17 @@ def test_a_seed_set_after_track_on_a_replacement_is_loud(run):
 
 def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):
     # Survivors pull the data-parallel share they lack at each recovery. Steps of half a
-    # second: the second kill waits for the refilled spare, which took 7 s to start on a
-    # loaded CI machine, and must land before the job's last step (20 s in). (Sequences of
-    # every kind, replicated state included in their single-kill forms, are the soak's.)
+    # second: the second kill waits for the refilled spare, and for rank 3's first copy
+    # after the recovery to reach its holder, the replacement of rank 1 (a kill before it
+    # is the one-step window the README states: rank 3 would be lost), and must land before
+    # the job's last step (15 s in). (Sequences of every kind, replicated state included in
+    # their single-kill forms, are the soak's.)
     job = run(script_args=["--step-seconds", "0.5", "--data-parallel"])
     job.wait_for_step(1, 5)
     job.kill_rank(1)
-    job.wait_for(lambda: recoveries(job), "the first recovery")
+    [first] = job.wait_for(lambda: recoveries(job), "the first recovery")
     job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "a refilled spare")
+    job.wait_for_step(3, first["version"] + 4)  # its snapshot of a step is pushed during the next
     job.kill_rank(3)
     assert job.wait() == [0, 0], job.describe()
     assert_bitwise(job, reference)
