@@ -138,3 +138,16 @@ def test_a_worker_that_closed_its_job_is_not_hung_while_it_exits_but_a_frozen_on
         process.wait()
         watched.counter.close()
         watched.exit_watch.close()
+
+
+def test_a_worker_that_exits_right_after_it_started_ticking_has_a_heartbeat(tmp_path):
+    # The agent tells a script that failed after peerstate.Job() (a spare reading RANK before
+    # track()) from one that never reached it by the first heartbeat, read after the exit. A
+    # first heartbeat an interval later was missed by a process that died within it.
+    path = str(tmp_path / "worker.progress")
+    progress.create(path)
+    quick = ("import sys\nfrom peerstate.control.progress import ProgressCounter\n"
+             "ProgressCounter(sys.argv[1]).start_ticking(30.0)\nsys.exit(1)\n")
+    assert subprocess.run([sys.executable, "-c", quick, path], timeout=60).returncode == 1
+    counter = progress.ProgressCounter(path)
+    assert counter.read()[0] > 0

@@ -73,10 +73,17 @@ class ProgressCounter:
 
         self._liveness = _C.LivenessTicker(self.path, _LIVENESS_OFFSET, interval)
 
+        def bump() -> None:
+            struct.pack_into("<Q", self._map, 0, struct.unpack_from("<Q", self._map, 0)[0] + 1)
+
         def tick() -> None:
             while not self._stop.wait(interval):
-                struct.pack_into("<Q", self._map, 0, struct.unpack_from("<Q", self._map, 0)[0] + 1)
+                bump()
 
+        # At once, not an interval later: the first heartbeat is how the agent knows the
+        # script reached peerstate.Job(), and a spare that fails right after it (a script
+        # reading RANK too early) must not be taken for one that never got there.
+        bump()
         self._ticker = threading.Thread(target=tick, name="peerstate-progress", daemon=True)
         self._ticker.start()
 

@@ -305,7 +305,9 @@ class Agent:
         at)], or [] where there is none (a waiting spare, a finished rank, a stopping job)."""
         detected_at = time.time()
         del self.processes[process.worker]
-        finished = process.counter.read()[1] == progress_file.FINISHED  # it had left its steps() loop
+        heartbeat, step, _ = process.counter.read()
+        finished = step == progress_file.FINISHED  # it had left its steps() loop
+        reached_job = process.ticked or heartbeat > 0  # the watch may not have looked since its first heartbeat
         process.counter.close()
         process.exit_watch.close()
         os.unlink(process.counter.path)
@@ -328,7 +330,7 @@ class Agent:
             if assigned is not None:
                 process.rank = assigned[1]  # its death is that rank's failure
         who = f"hot spare {process.worker}" if process.rank is None else f"rank {process.rank} ({process.worker})"
-        if code > 0 and not process.ticked:
+        if code > 0 and not reached_job:
             tail = log_tail(process.log)
             hint = f"\nIt failed in init_process_group(): {SCRIPT_DEFAULT_GROUP}" if "init_process_group" in tail \
                 else ""
