@@ -342,6 +342,7 @@ class Job:
         between steps when a failure was caught by ``guard``."""
         while True:
             if self.membership.state is MemberState.RECOVERING or self.watcher.latest.epoch != self.epoch:
+                self.aborts.loop_arrived()
                 with self.progress.setting_up() if self.progress else contextlib.nullcontext():
                     self.joiner.recover()
             if self.next_step >= total:
