@@ -4,6 +4,7 @@ snapshot must be complete; its replication starts)."""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 import time
@@ -25,6 +26,25 @@ if TYPE_CHECKING:
     from peerstate.control.coordinator import Coordinator
     from peerstate.worker.joiner import EpochJoiner
     from peerstate.worker.regroup import BusyPeerRegroup
+
+
+def release_freed_memory() -> None:
+    """Give the heap memory a recovery freed back to the system (glibc's malloc_trim;
+    nothing elsewhere). A recovery frees the aborted epoch's process groups, transports
+    and transfer buffers, allocated among longer-lived objects; glibc keeps such free
+    chunks in its heaps, and a survivor's resident memory crept up over its first
+    recoveries (a few percent in the soak). ~2 ms, after the recovery's first step."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None  # libc's malloc_trim once looked up; False where there is none
 
 
 def publish_size(kv: KeyValueStore, rank: int, tracked: TrackedState) -> None:
@@ -89,7 +109,8 @@ class StepBoundary:
 
     def end_step(self, step: int, seconds: float, epoch: int) -> None:
         report = self._report
-        if report.first_step_after == step:
+        closes_recovery = report.first_step_after == step
+        if closes_recovery:
             report.mark("first step")  # the step itself is done; what follows is bookkeeping
         if self._progress:
             self._progress.set_step(step)
@@ -105,6 +126,8 @@ class StepBoundary:
         if self._checkpoints.due(step):
             self._checkpoints.save(step, self.rank)
         report.end_step(step, seconds, epoch, self.rank)
+        if closes_recovery:
+            release_freed_memory()
 
     def register(self) -> None:
         """Register the tracked state with the stores, serve it and reserve the replicas
