@@ -307,7 +307,7 @@ class Agent:
         del self.processes[process.worker]
         heartbeat, step, _ = process.counter.read()
         finished = step == progress_file.FINISHED  # it had left its steps() loop
-        reached_job = process.ticked or heartbeat > 0  # the watch may not have looked since its first heartbeat
+        reached_job = heartbeat > 0  # read now: the watch may not have looked since its first heartbeat
         process.counter.close()
         process.exit_watch.close()
         os.unlink(process.counter.path)
