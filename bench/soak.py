@@ -18,9 +18,10 @@ Reported, per fault (a sequence of two counts as one):
   expected where the recovery lost every copy of some state (a rank and its
   buddy, by this fault or one that landed on top of it); anywhere else it is
   a finding (``unexpected``). Where one of the pair was hung rather than gone,
-  it is listed apart: its memory still held the copy, but a hung worker is
-  not a source yet (its agent kills it first; issue #20), which the soak
-  reports and does not fail on;
+  its memory still held the copy: its agent keeps it stopped for its
+  replacement to read (``launcher.stopped_workers``), so a fallback then is
+  unexpected too, unless the agent killed it at once (no spare of its node
+  was waiting), which is listed apart and not failed on;
 - from its first fault to the first step after the recovery that ended it:
   p50, p99, max, and every one over 2 s and over 5 s with its slowest phase
   and its plan's reason;
@@ -213,6 +214,7 @@ def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
     stopped = [e["time"] for e in events if e["event"] == "job_failed"]
     spares_started = [e["time"] for e in events if e["event"] == "spare_started"]
     hung = [(e["time"], e["rank"]) for e in events if e["event"] == "process_exited" and "hung" in e.get("how", "")]
+    frozen = [(e["time"], e["rank"]) for e in events if e["event"] == "hung_worker_frozen"]
     landed: Dict[int, List[dict]] = {}
     for event in events:
         if event["event"] == "fault_injected" and "scenario" in event:
@@ -223,7 +225,8 @@ def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
         kind = parts[0]["scenario_kind"]
         victims = sorted({e["rank"] for e in parts if e.get("rank") is not None})
         fault = {"scenario": scenario, "kind": kind, "victims": victims, "landed": len(parts),
-                 "every_copy_taken": False, "hung_copy": False, "seconds": None, "outcome": None}
+                 "every_copy_taken": False, "hung_copy": False, "frozen_copy": False, "seconds": None,
+                 "outcome": None}
         faults.append(fault)
         if kind == "kill-spare":  # no rank is lost: the pool is refilled, and nothing else happens
             fault["outcome"] = "spare replaced" if any(t > start for t in spares_started) else "spare not replaced"
@@ -245,6 +248,7 @@ def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
         fault["every_copy_taken"] = bool(pairs)
         until = ended[1] if ended else math.inf  # one of them was hung, not gone, until the agent killed it
         fault["hung_copy"] = any(rank in pairs and start <= t <= until for t, rank in hung)
+        fault["frozen_copy"] = any(rank in pairs and start <= t <= until for t, rank in frozen)
         if any(epoch in losses for epoch in through) or ended is None:
             fault["outcome"] = "lost" if any(epoch in losses for epoch in through) else "stopped"
             continue
@@ -323,13 +327,15 @@ def summarise(rounds: List[dict], check: dict) -> dict:
     return {
         "faults": len(faults), "by_kind": {k: sum(f["kind"] == k for f in faults) for k in KINDS.split(",")},
         "outcomes": by_outcome,
-        "unexpected_fallbacks": [f for f in faults if f["outcome"] == "checkpoint" and not f["every_copy_taken"]
-                                 and not f.get("no_copy_yet")],
+        # A copy survived: no pair was lost, or one of it was hung and kept for its replacement to read.
+        "unexpected_fallbacks": [f for f in faults if f["outcome"] == "checkpoint" and (
+            f.get("frozen_copy") or (not f["every_copy_taken"] and not f.get("no_copy_yet")))],
         # A failure within a step of the recovery before it: its rank had no copy on a holder yet.
         "no_copy_yet_fallbacks": [f for f in faults if f["outcome"] == "checkpoint" and not f["every_copy_taken"]
                                   and f.get("no_copy_yet")],
-        # Known (#20, item 4): a hung worker's memory is not yet a source; its agent kills it first.
-        "hung_copy_fallbacks": [f for f in faults if f["outcome"] == "checkpoint" and f["hung_copy"]],
+        # One of the pair was hung, and killed at once: no spare of its node waited to read it.
+        "hung_copy_fallbacks": [f for f in faults if f["outcome"] == "checkpoint" and f["hung_copy"]
+                                and not f.get("frozen_copy")],
         "lost": [f for f in faults if f["outcome"] == "lost"],
         "p50_s": percentile(seconds, 0.5), "p99_s": percentile(seconds, 0.99), "max_s": max(seconds, default=None),
         "over_2s": [f for f in faults if (f["seconds"] or 0) > 2],
@@ -458,8 +464,8 @@ def report(summary: dict, rounds: List[dict], seconds: float) -> None:
         print(f"  fell back to the checkpoint within a step of the recovery before it, its rank with no copy on a "
               f"holder yet: {f['kind']} of ranks {f['victims']}")
     for f in summary["hung_copy_fallbacks"]:
-        print(f"  fell back to the checkpoint though one of the pair was hung, not gone (its memory is not a source "
-              f"yet; #20): {f['kind']} of ranks {f['victims']}")
+        print(f"  fell back to the checkpoint: one of the pair was hung, and killed at once (no spare of its node "
+              f"waited to read it): {f['kind']} of ranks {f['victims']}")
     for f in summary["lost"]:
         print(f"  LOST: {f['kind']} of ranks {f['victims']}")
     for reason in summary["unexplained_recoveries"]:

@@ -6,12 +6,32 @@
 #include <string>
 
 #include "bindings/common.h"
+#include "replication/process_memory.h"
 #include "replication/replicator.h"
+#include "store/process_index.h"
 #include "store/replica_store.h"
 
 namespace py = pybind11;
 
 namespace peerstate::bindings {
+
+namespace {
+
+VersionMeta decode(const py::bytes& bytes) {
+  VersionMeta meta;
+  raise_if_error(decode_meta(std::string(bytes), &meta));
+  return meta;
+}
+
+// (store, source_rank, version, region, nbytes, meta bytes) per entry.
+py::list entry_tuples(const std::vector<ProcessIndex::Entry>& entries) {
+  py::list out;
+  for (const ProcessIndex::Entry& e : entries)
+    out.append(py::make_tuple(e.store, e.source_rank, e.version, e.region, e.nbytes, py::bytes(e.meta)));
+  return out;
+}
+
+}  // namespace
 
 void bind_replication(py::module_& m) {
   py::class_<ReplicaStore, std::unique_ptr<ReplicaStore, ReleaseGilDeleter>>(m, "ReplicaStore")
@@ -35,6 +55,15 @@ void bind_replication(py::module_& m) {
         raise_if_error(r.get(source_rank, -1, &v));
         return meta_dict(v->meta);
       })
+      .def("index_into",
+           [](ReplicaStore& r, std::shared_ptr<ProcessIndex> index, uint32_t tag) { r.index_into(std::move(index), tag); },
+           py::arg("index"), py::arg("tag"))
+      .def("adopt_from_process",
+           [](ReplicaStore& r, int pid, uintptr_t region, const py::bytes& meta) {
+             VersionMeta decoded = decode(meta);
+             call_without_gil([&] { return adopt_replica_from_process(pid, region, decoded, &r); });
+           },
+           py::arg("pid"), py::arg("region"), py::arg("meta"))
       .def("stored_bytes", [](const ReplicaStore& r, int source_rank) {
         std::shared_ptr<const ReplicaVersion> v;
         raise_if_error(r.get(source_rank, -1, &v));
@@ -79,13 +108,30 @@ void bind_replication(py::module_& m) {
         return v < 0 ? py::none() : py::cast(v);
       })
       .def("pull",
-           [](Replicator& r, const std::vector<PullSource>& sources, int64_t version) {
+           [](Replicator& r, const std::vector<PullSource>& sources, int64_t version, const py::object& meta) {
              int64_t pulled = -1;
              PullStats stats;
-             call_without_gil([&] { return r.pull(sources, version, &pulled, &stats); });
+             VersionMeta known;
+             if (!meta.is_none()) known = decode(meta.cast<py::bytes>());
+             call_without_gil([&] {
+               return r.pull(sources, version, &pulled, &stats, meta.is_none() ? nullptr : &known);
+             });
              return py::make_tuple(pulled, stats.chunks, stats.chunks_from_memory);
            },
-           py::arg("sources"), py::arg("version") = -1);
+           py::arg("sources"), py::arg("version") = -1, py::arg("meta") = py::none());
+
+  py::class_<ProcessIndex, std::shared_ptr<ProcessIndex>>(m, "ProcessIndex")
+      .def(py::init<>())
+      .def_property_readonly("address", &ProcessIndex::address)
+      .def("entries", [](const ProcessIndex& index) { return entry_tuples(index.entries()); });
+  m.def(
+      "read_process_index",
+      [](int pid, uintptr_t address) {
+        std::vector<ProcessIndex::Entry> entries;
+        call_without_gil([&] { return read_process_index(pid, address, &entries); });
+        return entry_tuples(entries);
+      },
+      py::arg("pid"), py::arg("address"));
 }
 
 }  // namespace peerstate::bindings

@@ -82,6 +82,11 @@ void bind_snapshot(py::module_& m) {
       })
       .def("buffer_names", &SnapshotStore::buffer_names)
       .def("region_address", &SnapshotStore::region_address, py::arg("version"))
+      .def("index_into",
+           [](SnapshotStore& s, std::shared_ptr<ProcessIndex> index, uint32_t tag, int32_t rank) {
+             s.index_into(std::move(index), tag, rank);
+           },
+           py::arg("index"), py::arg("tag"), py::arg("rank"))
       .def("wait", [](SnapshotStore& s) { call_without_gil([&] { return s.wait(); }); })
       .def("restore", [](SnapshotStore& s, int64_t version, bool verify) {
         size_t written = 0;

@@ -14,7 +14,9 @@
 #include <cstdint>
 
 #include "common/status.h"
+#include "common/deadline.h"
 #include "net/transport.h"
+#include "store/replica_store.h"
 
 namespace peerstate {
 
@@ -29,5 +31,15 @@ namespace peerstate {
 // The holder must not reuse that region while it is read; a holder that does
 // is caught by the checksums.
 Status receive_from_process(pid_t pid, uintptr_t remote_region, const TransferPlan& plan);
+
+// Adopts a replica a stopped process on this machine holds (a hung worker,
+// its ProcessIndex read with read_process_index): copies version `meta` of
+// meta.source_rank from `remote_region` in process `pid` into `store` as a
+// committed version, every chunk checked against meta.checksums, reserving
+// room for it first when the store has less. Blocks until done or the first
+// error (as receive_from_process's; kInvalidArgument when the store already
+// holds that version or a newer one, kUnavailable for a device replica store).
+// A failed adoption leaves the store's committed versions as they were.
+Status adopt_replica_from_process(pid_t pid, uintptr_t remote_region, const VersionMeta& meta, ReplicaStore* store);
 
 }  // namespace peerstate

@@ -69,16 +69,17 @@ int64_t Replicator::in_flight_version() const {
 }
 
 Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled,
-                        PullStats* stats) {
+                        PullStats* stats, const VersionMeta* known) {
   if (stats != nullptr) *stats = PullStats();
   if (sources.empty()) return Status(StatusCode::kNotFound, "no source to pull from");
   // One metadata round trip to the first source that answers; then every
   // source serves chunks. One that lacks the version fails its first chunk
   // and gives it back, so asking them all costs nothing.
   VersionMeta meta;
+  if (known != nullptr) meta = *known;
   std::string failures;
   bool only_not_found = true;
-  for (const PullSource& s : sources) {
+  for (const PullSource& s : known != nullptr ? std::vector<PullSource>() : sources) {
     Status st = transport_->describe(s.peer, s.rank, version, s.store, &meta);
     if (st.ok()) break;
     only_not_found &= st.code() == StatusCode::kNotFound;

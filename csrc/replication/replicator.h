@@ -80,8 +80,10 @@ class Replicator {
   // local store holds: a recovery superseded after its pull pulls the same
   // version again in the next epoch.
   // `stats` (optional) receives how many chunks came, and how many of them that way.
+  // `known` (optional): the version's metadata, when the caller has it (from a
+  // stopped holder's ProcessIndex, which cannot answer): no source is asked for it.
   Status pull(const std::vector<PullSource>& sources, int64_t version, int64_t* pulled,
-              PullStats* stats = nullptr);
+              PullStats* stats = nullptr, const VersionMeta* known = nullptr);
 
  private:
   struct Round;

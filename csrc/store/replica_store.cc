@@ -101,6 +101,10 @@ Status ReplicaStore::begin(const VersionMeta& meta) {
       if (!incoming && *candidate && candidate->use_count() == 1) incoming = std::move(*candidate);
     if (!source.spare && source.incoming && source.incoming.use_count() == 1) source.spare = std::move(source.incoming);
     source.incoming.reset();  // a partial version is dropped here, never committed
+    if (incoming && incoming->complete) {
+      incoming->complete = false;  // its region is about to be overwritten
+      update_index_locked();
+    }
     if (!incoming) {
       source.regions.erase(std::remove_if(source.regions.begin(), source.regions.end(),
                                           [](const std::weak_ptr<ReplicaVersion>& r) { return r.expired(); }),
@@ -118,6 +122,7 @@ Status ReplicaStore::begin(const VersionMeta& meta) {
     PEERSTATE_RETURN_IF_ERROR(incoming->region.allocate(meta.layout->region_bytes));
   incoming->meta = meta;
   incoming->complete = false;
+  incoming->encoded_meta.clear();
   incoming->arrived.assign(meta.layout->chunks.size(), 0);
   incoming->arrived_count = 0;
   incoming->writers = 0;
@@ -216,7 +221,9 @@ Status ReplicaStore::commit(int source_rank, int64_t version, Deadline deadline)
   if (it->second.committed) it->second.spare = std::move(it->second.committed);  // serves a later version
   it->second.incoming.reset();
   incoming->complete = true;
+  if (index_ && incoming->encoded_meta.empty()) incoming->encoded_meta = encode_meta(incoming->meta);
   it->second.committed = std::move(incoming);
+  update_index_locked();
   return Status::Ok();
 }
 
@@ -263,6 +270,7 @@ void ReplicaStore::drop_newer(int64_t version) {
       source.committed.reset();
     }
   }
+  update_index_locked();
   arrived_.notify_all();  // a commit waiting on a dropped incoming version gives up
 }
 
@@ -280,6 +288,27 @@ size_t ReplicaStore::reserved_bytes() const {
   size_t total = 0;
   for (const auto& [rank, source] : sources_) total += 2 * source.reserved_per_version;
   return total;
+}
+
+void ReplicaStore::index_into(std::shared_ptr<ProcessIndex> index, uint32_t tag) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (index_) index_->set(index_tag_, {});
+  index_ = std::move(index);
+  index_tag_ = tag;
+  update_index_locked();
+}
+
+void ReplicaStore::update_index_locked() {
+  if (!index_ || device_ != kHostDevice) return;  // a device replica cannot be read from another process
+  std::vector<ProcessIndex::Entry> entries;
+  for (auto& [rank, source] : sources_)
+    for (ReplicaVersion* v : {source.committed.get(), source.spare.get()}) {
+      if (v == nullptr || !v->complete) continue;
+      if (v->encoded_meta.empty()) v->encoded_meta = encode_meta(v->meta);
+      entries.push_back({index_tag_, rank, v->meta.version, reinterpret_cast<uint64_t>(v->region.data()),
+                         v->meta.layout->region_bytes, v->encoded_meta});
+    }
+  index_->set(index_tag_, std::move(entries));
 }
 
 }  // namespace peerstate

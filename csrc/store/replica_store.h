@@ -38,6 +38,7 @@
 #include "common/host_memory.h"
 #include "common/status.h"
 #include "device/device_copy.h"
+#include "store/process_index.h"
 #include "store/version_meta.h"
 
 namespace peerstate {
@@ -73,6 +74,7 @@ struct ReplicaVersion {
   size_t writers = 0;            // chunks being written into the region now
   std::string failure;           // first chunk that failed verification
   bool complete = false;         // committed once, and not reused for a newer version since
+  std::string encoded_meta;      // the meta's encoding for a ProcessIndex, made at commit
 };
 
 class ReplicaStore {
@@ -141,6 +143,9 @@ class ReplicaStore {
   void drop_newer(int64_t version);
   size_t held_bytes() const;
   size_t reserved_bytes() const;
+  // From now on, keeps `index` listing the committed host versions held here as
+  // store `tag` (see ProcessIndex); null stops it. Any thread.
+  void index_into(std::shared_ptr<ProcessIndex> index, uint32_t tag);
   size_t budget_bytes() const { return budget_; }
   int device() const { return device_; }
   // The engine of a device replica store (null for host memory).
@@ -153,6 +158,8 @@ class ReplicaStore {
   }
 
   void end_write(ChunkWrite* write, bool landed, uint32_t crc, Status* result);
+  // After a version of any source became or stopped being readable; mutex_ held.
+  void update_index_locked();
 
   struct Source {
     size_t reserved_per_version = 0;
@@ -169,6 +176,8 @@ class ReplicaStore {
   mutable std::mutex mutex_;
   std::condition_variable arrived_;
   std::map<int, Source> sources_;
+  std::shared_ptr<ProcessIndex> index_;  // guarded by mutex_
+  uint32_t index_tag_ = 0;
 };
 
 }  // namespace peerstate

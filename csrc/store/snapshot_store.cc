@@ -1,6 +1,7 @@
 #include "store/snapshot_store.h"
 
 #include "common/memory_copy.h"
+#include "store/version_meta.h"
 
 #include <algorithm>
 #include <atomic>
@@ -30,6 +31,8 @@ struct SnapshotStore::Slot {
   HostRegion region;
   bool pinned = false;
   size_t readers = 0;  // views whose pin is held (guarded by the store's mutex)
+  int64_t indexed_version = -1;  // the version indexed_meta encodes
+  std::string indexed_meta;
 };
 
 struct SnapshotStore::InFlight {
@@ -233,7 +236,10 @@ Status SnapshotStore::reserve_slot(int64_t version, std::shared_ptr<const Layout
     unpinned_.wait(lock);
   }
   Slot& chosen = *slots_[target];
+  const bool was_committed = chosen.state == Slot::State::kCommitted;
   chosen.state = Slot::State::kInFlight;
+  chosen.indexed_version = -1;
+  if (was_committed) update_index_locked();  // before its region is overwritten
   lock.unlock();
   // Allocating can take a while (a new or grown region): not under the lock.
   Status st = prepare_region(chosen, *layout);
@@ -379,6 +385,7 @@ void SnapshotStore::finish_in_flight(InFlight& job) {
   std::lock_guard<std::mutex> lock(mutex_);
   Slot& slot = *slots_[job.slot];
   slot.state = keep ? Slot::State::kCommitted : Slot::State::kEmpty;
+  if (keep) update_index_locked();
   job.finished.store(true, std::memory_order_release);
 }
 
@@ -582,6 +589,7 @@ Status SnapshotStore::drop_newer(int64_t version) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& s : slots_)
     if (s->state == Slot::State::kCommitted && s->version > version) s->state = Slot::State::kEmpty;
+  update_index_locked();
   return Status::Ok();
 }
 
@@ -599,6 +607,7 @@ Status SnapshotStore::close() {
   closed_ = true;
   Status result;
   std::unique_lock<std::mutex> lock(mutex_);
+  if (index_) index_->set(index_tag_, {});  // out of the index before the memory goes
   unpinned_.wait(lock, [&] {
     return std::all_of(slots_.begin(), slots_.end(), [](const std::unique_ptr<Slot>& s) { return s->readers == 0; });
   });
@@ -701,9 +710,35 @@ Status SnapshotStore::end_receive(int64_t version, const std::vector<uint32_t>& 
       return Status(StatusCode::kInvalidArgument, "end_receive needs one checksum per chunk");
     s->checksums = checksums;
     s->state = ok ? Slot::State::kCommitted : Slot::State::kEmpty;
+    if (ok) update_index_locked();
     return Status::Ok();
   }
   return Status(StatusCode::kNotFound, "no version " + std::to_string(version) + " is being received");
+}
+
+void SnapshotStore::index_into(std::shared_ptr<ProcessIndex> index, uint32_t tag, int32_t rank) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (index_) index_->set(index_tag_, {});
+  index_ = std::move(index);
+  index_tag_ = tag;
+  index_rank_ = rank;
+  update_index_locked();
+}
+
+void SnapshotStore::update_index_locked() {
+  if (!index_) return;
+  std::vector<ProcessIndex::Entry> entries;
+  for (auto& s : slots_) {
+    if (s->state != Slot::State::kCommitted || s->checksums.empty()) continue;
+    if (s->indexed_version != s->version) {  // encoded once per committed version
+      VersionMeta meta{index_rank_, s->version, s->layout->chunk_bytes, s->layout->buffers, s->checksums, s->layout};
+      s->indexed_meta = encode_meta(meta);
+      s->indexed_version = s->version;
+    }
+    entries.push_back({index_tag_, index_rank_, s->version, reinterpret_cast<uint64_t>(s->region.data()),
+                       s->layout->region_bytes, s->indexed_meta});
+  }
+  index_->set(index_tag_, std::move(entries));
 }
 
 }  // namespace peerstate

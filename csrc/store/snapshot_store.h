@@ -43,6 +43,7 @@
 #include "common/thread_pool.h"
 #include "device/device_copy.h"
 #include "store/layout.h"
+#include "store/process_index.h"
 
 namespace peerstate {
 
@@ -167,6 +168,11 @@ class SnapshotStore {
   Status end_receive(int64_t version, const std::vector<uint32_t>& checksums, bool ok);
   const SnapshotStoreOptions& options() const { return options_; }
 
+  // From now on, keeps `index` listing this store's committed versions as store
+  // `tag` of rank `rank` (see ProcessIndex: a replacement reads them from this
+  // process's memory if it hangs). Null stops it. Any thread.
+  void index_into(std::shared_ptr<ProcessIndex> index, uint32_t tag, int32_t rank);
+
  private:
   struct Slot;
   struct InFlight;
@@ -185,6 +191,8 @@ class SnapshotStore {
   // Per chunk: 1 unless it is a host chunk whose bytes equal the live buffers'.
   std::vector<char> chunks_differing_from_buffers(const Slot& slot);
   void finish_in_flight(InFlight& job);
+  // After any slot left or entered kCommitted; mutex_ held.
+  void update_index_locked();
   void cancel_in_flight();
 
   SnapshotStoreOptions options_;
@@ -200,6 +208,9 @@ class SnapshotStore {
   std::vector<std::unique_ptr<Slot>> slots_;
   std::shared_ptr<InFlight> in_flight_;
   bool closed_ = false;
+  std::shared_ptr<ProcessIndex> index_;  // guarded by mutex_
+  uint32_t index_tag_ = 0;
+  int32_t index_rank_ = -1;
 };
 
 }  // namespace peerstate

@@ -71,6 +71,8 @@ class SnapshotStore:
     def region_address(self, version: int) -> int:
         """Address of the slot holding `version` (committed or in flight) in this process; 0 if none.
         For a puller on this machine (Replicator.pull's pid/region sources)."""
+    def index_into(self, index: ProcessIndex, tag: int, rank: int) -> None:
+        """From now on, list this store's committed versions in `index` as store `tag` of `rank`."""
     def wait(self) -> None:
         """Block (GIL released) until the version in flight commits; raise its error."""
     def restore(self, version: int, verify: bool = True) -> int:
@@ -147,6 +149,30 @@ class ReplicaStore:
     def info(self, source_rank: int) -> Dict[str, Any]: ...
     def stored_bytes(self, source_rank: int) -> bytes:
         """A copy of the committed replica's region."""
+    def index_into(self, index: ProcessIndex, tag: int) -> None:
+        """From now on, list the committed host versions held here in `index` as store `tag`."""
+    def adopt_from_process(self, pid: int, region: int, meta: bytes) -> None:
+        """Copy the version `meta` (encoded) describes from `region` in stopped process `pid`
+        on this machine into this store as a committed version, every chunk checked against
+        its CRC32C, reserving room for it when needed. ChecksumMismatchError: the bytes there
+        are not that version's; PeerConnectionError: the process is gone; UnavailableError:
+        not permitted to read it (ptrace rules), or a device replica store."""
+
+class ProcessIndex:
+    """Where this process's stores keep their committed versions, readable from another
+    process on this machine while this one is stopped (csrc/store/process_index.h)."""
+
+    def __init__(self) -> None: ...
+    @property
+    def address(self) -> int:
+        """The index's address in this process: what a reader is given."""
+    def entries(self) -> List[Tuple[int, int, int, int, int, bytes]]:
+        """(store tag, source rank, version, region address, bytes, encoded metadata) per version."""
+
+def read_process_index(pid: int, address: int) -> List[Tuple[int, int, int, int, int, bytes]]:
+    """The entries of process `pid`'s ProcessIndex at `address` (as ProcessIndex.entries).
+    UnavailableError: not permitted; PeerConnectionError: gone or unmapped; ProtocolError:
+    no index there."""
 
 class TcpServer:
     """Serves pushes into `replicas` and pulls from them or from this rank's own stores
@@ -216,12 +242,14 @@ class Replicator:
     def replicate(self, version: int, holders: List[int]) -> None: ...
     def wait(self, version: int) -> List[Tuple[int, Optional[Error]]]: ...
     def in_flight_version(self) -> Optional[int]: ...
-    def pull(self, sources: List[PullSource], version: int = -1) -> Tuple[int, int, int]:
+    def pull(self, sources: List[PullSource], version: int = -1,
+             meta: Optional[bytes] = None) -> Tuple[int, int, int]:
         """Lands a committed version in the store, replacing the store's copy of that version
         and any newer one; returns (that version, its chunks, those read from same-machine
         memory). Sources with pid and region are read from that process's memory first; the
         transport carries whatever that could not provide (not permitted, process gone, bad
-        checksum)."""
+        checksum). `meta`: the version's encoded metadata, when the caller has it (a stopped
+        holder's ProcessIndex): no source is asked for it."""
 
 class PullSource:
     """A peer to pull from: whose state (`rank`) to ask it for, from which of its stores

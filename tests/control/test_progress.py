@@ -69,8 +69,8 @@ def test_a_bad_word_is_refused_with_what_was_wrong(tmp_path):
     progress.create(path)
     with pytest.raises(InvalidArgumentError, match="multiple of 8"):
         _C.LivenessTicker(path, 4, 0.1)
-    with pytest.raises(InvalidArgumentError, match="no 8-byte word at offset 24"):
-        _C.LivenessTicker(path, 24, 0.1)
+    with pytest.raises(InvalidArgumentError, match="no 8-byte word at offset 32"):
+        _C.LivenessTicker(path, 32, 0.1)  # the file has four words
     with pytest.raises(InvalidArgumentError, match="at least 1 ms"):
         _C.LivenessTicker(path, 16, 0.0)
     ticker = _C.LivenessTicker(path, 16, 0.01)

@@ -5,6 +5,7 @@ bit for bit."""
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -153,6 +154,31 @@ def test_hung_worker_is_detected_by_its_progress_counter(run, reference):
     assert_bitwise(job, reference)
     [exited] = [e for e in job.events("process_exited") if e["rank"] == 3 and e["code"] != 0]
     assert "hung" in exited["how"]
+
+
+@pytest.mark.parametrize("script_args", [[], ["--data-parallel"]], ids=["replicated", "data-parallel"])
+def test_a_hung_rank_and_its_buddy_killed_before_the_hang_is_seen_both_come_back_from_its_memory(run, reference,
+                                                                                                script_args):
+    # Rank 3 hangs; 0.3 s later its buddy, rank 1, is killed. Each held the other's only
+    # replica, so the copies left are the hung rank's memory: its own snapshot and its
+    # replica of rank 1. Its agent freezes it instead of killing it, its replacement on
+    # node 1 reads both from its memory, and rank 1's replacement pulls from that one.
+    # No disk checkpoint is configured: a lost state would stop the job. (With the
+    # data-parallel state in shares, the shares come from the two survivors.)
+    job = run(nodes=[(2, 1), (2, 1)], script_args=script_args)
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
+    job.wait_for_step(3, 10)
+    job.kill_rank(3, signal.SIGSTOP)
+    time.sleep(0.3)
+    job.kill_rank(1)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert not job.events("checkpoint_fallback") and not job.events("state_lost")
+    [adopted] = job.events("stopped_holder_adopted")
+    assert adopted["rank"] == 3 and adopted["own"] and adopted["replicas"].get("1") and not adopted["refused"], adopted
+    [killed] = job.events("hung_worker_killed")
+    assert killed["rank"] == 3 and killed["released"], killed
+    assert sorted({r for p in job.events("plan") for r in p["failed"]}) == [1, 3]
 
 
 def test_a_replacement_frozen_while_it_recovers_is_found_by_its_liveness_and_nobody_else_exits(run, reference):

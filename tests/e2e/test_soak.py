@@ -86,6 +86,34 @@ def test_the_soak_counts_a_pair_lost_by_two_faults_in_flight_together_as_every_c
     assert not summary["unexpected_fallbacks"] and len(summary["hung_copy_fallbacks"]) == 2
 
 
+def test_a_fallback_though_the_hung_one_of_the_pair_was_kept_for_its_replacement_is_unexpected():
+    # The same two faults, with the hung rank frozen for its replacement to read (a spare of
+    # its node waited): its memory was a source, so falling back is a finding; killed at once
+    # (no spare waiting), it is a known limit, listed apart.
+    soak = _soak_module()
+
+    def run(frozen):
+        events = [
+            _event("fault_injected", 10.0, scenario=0, scenario_kind="hang-then-kill-buddy", kind="hang", rank=3),
+            _event("fault_injected", 10.4, scenario=0, scenario_kind="hang-then-kill-buddy", kind="kill", rank=1),
+            _event("plan", 10.45, epoch=1, failed=[1], detected_at=10.42),
+            *([_event("hung_worker_frozen", 10.8, rank=3)] if frozen else []),
+            _event("plan", 10.85, epoch=2, failed=[3], detected_at=10.8),
+            _event("process_exited", 11.0, rank=3, code=-9, how="hung (its progress counter stopped) and was killed"),
+            _event("checkpoint_fallback", 11.5, epoch=2),
+            _event("recovery", 11.9, epoch=2, marks={"0": {"first step": 11.9}}, phases_s={"plan": 0.1}),
+        ]
+        [fault] = soak.analyse(events, soak.buddies())
+        assert fault["every_copy_taken"] and fault["hung_copy"] and fault["frozen_copy"] == frozen, fault
+        return soak.summarise([{"faults": [fault], "memory": {}, "unexplained": [], "leftover": [],
+                                "failure": None, "round": 0, "log": ""}], {"equal": True, "tensors": 1})
+
+    kept = run(frozen=True)
+    assert len(kept["unexpected_fallbacks"]) == 1 and not kept["hung_copy_fallbacks"]
+    killed = run(frozen=False)
+    assert not killed["unexpected_fallbacks"] and len(killed["hung_copy_fallbacks"]) == 1
+
+
 def test_a_kill_within_a_step_of_a_fallback_is_counted_apart_not_as_an_unexpected_fallback():
     # From a real round (seed 11's round 4): rank 2 killed 0.1 s after a recovery from the
     # checkpoint, before its first new copy reached its buddy. It falls back again (correctly:

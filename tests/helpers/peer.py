@@ -124,6 +124,21 @@ class Peer:
 
         return {"pid": os.getpid(), "address": self.store.region_address(version)}
 
+    def port(self):
+        return {"port": self.replication.address[1]}
+
+    def index(self):
+        import os
+
+        return {"pid": os.getpid(), "address": self.replication.index_stores()}
+
+    def adopt(self, pid, address):
+        from peerstate.replication.stopped_holder import StoppedHolder
+
+        holder = StoppedHolder(pid, address)
+        adopted, _, refused = self.replication.adopt(holder)
+        return {"adopted": {str(s): v for s, v in adopted.items()}, "refused": refused, "own": sorted(holder.own)}
+
     def digest(self):
         return {"digest": digest_tensors(self.tensors)}
 

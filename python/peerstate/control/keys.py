@@ -42,6 +42,8 @@ workers: they never read the job's store for the recovery protocol)
     ``epoch/{e}/plan``              the agent's copy of the epoch's plan (workers' watchers wait on it)
     ``epoch/{e}/report/{rank}``     a member's MemberReport, for its agent to gather
     ``epoch/{e}/orders/{n}``        the node's NodeInstructions, as the plan writer wrote them
+    ``stopped/{rank}``              "{pid}:{index address}" of the rank's hung worker, frozen for its replacement
+    ``stopped/{rank}/released``     set by that replacement once it no longer reads it (then it is killed)
 
 Tools
     ``inject/{index}``              the agent that injected fault ``index`` (injected once)
@@ -149,3 +151,11 @@ def script_errors(rank: int, step: int) -> str:
 
 def injected(index: int) -> str:
     return f"inject/{index}"
+
+
+def stopped_holder(rank: int) -> str:
+    return f"stopped/{rank}"
+
+
+def stopped_holder_released(rank: int) -> str:
+    return f"stopped/{rank}/released"

@@ -59,6 +59,12 @@ class MemberReport:
     shared_regions: Dict[int, int] = field(default_factory=dict)  # version -> its address in its share's store
     checkpoint: Optional[Tuple[int, str]] = None  # its newest disk checkpoint (step, directory)
     layout: "StateLayout" = None  # type: ignore[assignment] - how the job's state is placed (below)
+    # Versions of its own state its hung predecessor on its node still holds, read from that
+    # process's memory (a replacement; see replication.stopped_holder).
+    stopped: List[int] = field(default_factory=list)
+    # Versions of its own data-parallel share it holds although it needs state: adopted from
+    # that predecessor, served like a survivor's.
+    adopted_share: List[int] = field(default_factory=list)
 
     def encode(self) -> bytes:
         """A JSON array, fields in declaration order, maps as [key, value] pairs: the plan
@@ -68,7 +74,8 @@ class MemberReport:
         return json.dumps([self.rank, self.worker, self.local, list(self.replicas.items()), self.address,
                            self.needs_state, self.pid, list(self.shared_regions.items()), self.checkpoint,
                            None if layout is None else [layout.k, layout.share_count, layout.data_parallel,
-                                                        layout.replica_mesh, layout.replica_dim]]).encode()
+                                                        layout.replica_mesh, layout.replica_dim],
+                           self.stopped, self.adopted_share]).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "MemberReport":
@@ -77,13 +84,14 @@ class MemberReport:
     @classmethod
     def from_list(cls, data: list) -> "MemberReport":
         """From a decoded ``encode()`` (no copies, no per-field checks)."""
-        rank, worker, local, replicas, address, needs_state, pid, regions, checkpoint, layout = data
+        rank, worker, local, replicas, address, needs_state, pid, regions, checkpoint, layout, stopped, adopted = data
         report = cls.__new__(cls)
         report.__dict__.update(
             rank=rank, worker=worker, local=local, replicas=dict(replicas), address=tuple(address),
             needs_state=needs_state, pid=pid, shared_regions=dict(regions),
             checkpoint=tuple(checkpoint) if checkpoint else None,
-            layout=_layout(layout[0], layout[1], layout[2], tuple(layout[3]), layout[4]) if layout else None)
+            layout=_layout(layout[0], layout[1], layout[2], tuple(layout[3]), layout[4]) if layout else None,
+            stopped=stopped, adopted_share=adopted)
         return report
 
 

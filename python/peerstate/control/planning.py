@@ -49,6 +49,7 @@ def recovery_point(reports: Mapping[int, MemberReport], placement: BuddyPlacemen
                     available.update(held.local)
                 else:
                     available.update(held.replicas.get(rank, []))
+            available.update(reports[rank].stopped)  # read from its hung predecessor's memory
             if not available:
                 gone = [s for s in placement.sources(rank) if reports[s].needs_state]
                 lost[rank] = (f"shard of rank {rank} has no surviving copy (its holders {gone} were lost too)"
@@ -59,12 +60,12 @@ def recovery_point(reports: Mapping[int, MemberReport], placement: BuddyPlacemen
         candidates = available if candidates is None else candidates & available
     for share in range(shares.total if shares is not None else 0):
         holders = shares.holders(share)
-        kept = [s for s in holders if not reports[s].needs_state]
+        kept = [s for s in holders if not reports[s].needs_state or reports[s].adopted_share]
         if not kept:
             lost[min(holders)] = (f"data-parallel share {share} has no surviving copy (its holders {holders} "
                                   "were all lost)")
         elif candidates is not None:
-            candidates &= {v for s in kept for v in reports[s].local}
+            candidates &= {v for s in kept for v in share_versions(reports[s])}
     if lost:
         return None, lost
     if not candidates:
@@ -74,16 +75,24 @@ def recovery_point(reports: Mapping[int, MemberReport], placement: BuddyPlacemen
 
 def sources_of(rank: int, version: int, reports: Mapping[int, MemberReport],
                placement: BuddyPlacement) -> List[int]:
-    """The members that hold ``rank``'s ``version`` (where a replacement pulls from)."""
+    """The members that hold ``rank``'s ``version`` (where a replacement pulls from):
+    ``rank`` itself first when its hung predecessor holds it (read from memory)."""
     group = placement.replica_group(rank)
-    return [s for s in placement.sources(rank)
-            if (s in group and version in reports[s].local) or version in reports[s].replicas.get(rank, [])]
+    return [rank] * (version in reports[rank].stopped) + [
+        s for s in placement.sources(rank)
+        if (s in group and version in reports[s].local) or version in reports[s].replicas.get(rank, [])]
+
+
+def share_versions(report: MemberReport) -> List[int]:
+    """The versions of its data-parallel share a member holds: a survivor's own snapshots,
+    or those a replacement adopted from its stopped predecessor."""
+    return report.adopted_share if report.needs_state else report.local
 
 
 def share_sources(share: int, version: int, reports: Mapping[int, MemberReport],
                   shares: DataParallelShares) -> List[int]:
-    """The members that kept their state and hold data-parallel ``share`` at ``version``."""
-    return [s for s in shares.holders(share) if not reports[s].needs_state and version in reports[s].local]
+    """The members that hold data-parallel ``share`` at ``version``."""
+    return [s for s in shares.holders(share) if version in share_versions(reports[s])]
 
 
 def same_node_regions(worker: str, version: int, sources: List[int],
@@ -200,13 +209,15 @@ def expand(orders: NodeInstructions, reports: Mapping[int, MemberReport],
             restore = RestorePlan(RestoreSource.CHECKPOINT, version=orders.version, checkpoint=orders.checkpoint,
                                   message=orders.message)
         elif orders.outcome == "restore":
-            # The shares of its replica set it does not snapshot itself (all of them for a
-            # replacement), by their index in the set: the store that receives each.
+            # The shares of its replica set it does not hold at that version (all of them for
+            # a replacement, but the one it adopted), by their index in the set: the store
+            # that receives each.
             count, own = orders.share_count, orders.share_of.get(rank)
+            has_own = orders.version in share_versions(report)
             pulls = {share % count: SharePull(share % count, sources,
                                               same_node_regions(report.worker, orders.version, sources, reports))
                      for share, sources in orders.share_sources.items()
-                     if share // count == own // count and (report.needs_state or share != own)}
+                     if share // count == own // count and (share != own or not has_own)}
             restore = (RestorePlan(RestoreSource.PEERS, version=orders.version, own_sources=orders.own_sources[rank],
                                    shares=pulls) if report.needs_state else
                        RestorePlan(RestoreSource.LOCAL, version=orders.version, shares=pulls))

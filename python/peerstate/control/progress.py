@@ -1,9 +1,11 @@
 """A worker's progress counter in shared memory, watched by its node agent.
 
-Three 64-bit words in a small file the agent creates (under /dev/shm when it
+Four 64-bit words in a small file the agent creates (under /dev/shm when it
 exists): a heartbeat the worker's Python ticker thread bumps every
-``interval`` seconds, the last completed step, and a liveness count a native
-thread bumps at the same pace (``_C.LivenessTicker``). A frozen process
+``interval`` seconds, the last completed step, a liveness count a native
+thread bumps at the same pace (``_C.LivenessTicker``), and the address of the
+worker's ``_C.ProcessIndex`` (0 until it has one): where its replacement
+finds its stores if it hangs (``replication.stopped_holder``). A frozen process
 (SIGSTOP, a cgroup freeze) stops both; an interpreter stuck in a native call
 that holds the GIL stops the first only; a rank that is merely blocked in a
 collective on a frozen peer keeps both ticking, so only the frozen rank is
@@ -21,7 +23,8 @@ import threading
 from typing import Iterator, Optional
 
 _FORMAT = "<QqQ"
-SIZE = struct.calcsize(_FORMAT)
+_INDEX_OFFSET = struct.calcsize(_FORMAT)
+SIZE = _INDEX_OFFSET + 8
 FINISHED = -2  # the step word once the worker has finished: it is no longer watched
 # The step word while a worker that has stepped recovers. Until its first step, and
 # while recovering, the agent bounds a stalled heartbeat by --join-timeout instead of
@@ -42,7 +45,7 @@ _LIVENESS_OFFSET = 16
 def create(path: str) -> None:
     """Create a counter file (agent side): no heartbeat yet, no step finished."""
     with open(path, "wb") as f:
-        f.write(struct.pack(_FORMAT, 0, -1, 0))
+        f.write(struct.pack(_FORMAT + "Q", 0, -1, 0, 0))
 
 
 class ProgressCounter:
@@ -62,6 +65,13 @@ class ProgressCounter:
     def read(self) -> tuple:
         """(heartbeat, step, liveness)."""
         return struct.unpack_from(_FORMAT, self._map, 0)
+
+    def index_address(self) -> int:
+        """Where the worker's ProcessIndex lies in its memory (0: none)."""
+        return struct.unpack_from("<Q", self._map, _INDEX_OFFSET)[0]
+
+    def set_index_address(self, address: int) -> None:
+        struct.pack_into("<Q", self._map, _INDEX_OFFSET, address)
 
     def set_step(self, step: int) -> None:
         struct.pack_into("<q", self._map, 8, step)

@@ -3,15 +3,16 @@
 It starts this node's workers and hot spares (forked from its fork server,
 ``launcher.fork_server``, unless ``--preload ''``), sees a worker die at once
 (every few milliseconds: ``waitpid``, and before that the kernel's own mark of
-a process that has begun to exit, see ``ExitWatch``), sees a
-worker freeze through its progress counter in shared memory, keeps this node's
-heartbeat lease alive and watches the next nodes' on a ring (``leases``),
-writes recovery plans (through the Coordinator) when it sees a failure, relays
-the recovery protocol between its workers and the job's store through a node
+a process that has begun to exit, see ``ExitWatch``), sees a worker freeze
+through its progress counter in shared memory (and keeps a hung one stopped
+for its replacement to read, ``stopped_workers``), keeps this node's heartbeat
+lease alive and watches the next nodes' on a ring (``leases``), writes
+recovery plans (through the Coordinator) when it sees a failure, relays the
+recovery protocol between its workers and the job's store through a node
 channel it hosts on loopback (``NodeRelay``; as an epoch's owner it writes
-every node's instructions), refills
-its spare pool, and never restarts a healthy worker. It exits 0 when every rank finished, and
-otherwise non-zero with a one-paragraph summary.
+every node's instructions), refills its spare pool, and never restarts a
+healthy worker. It exits 0 when every rank finished, and otherwise non-zero
+with a one-paragraph summary.
 
 Worker names are ``n{node}.{k}``: the first ``nproc_per_node`` are the initial
 workers (rank = node * nproc_per_node + k), the rest are spares.
@@ -43,7 +44,8 @@ from peerstate.launcher.inject import Fault, FaultInjector
 from peerstate.control.leases import LeaseWatch
 from peerstate.launcher.config import AgentConfig
 from peerstate.launcher.fork_server import ForkServer
-from peerstate.launcher.processes import HANG_CAUSES, WorkerProcess, describe_exit, die_with_parent, log_tail
+from peerstate.launcher.processes import HANG_CAUSES, HANG_HELD, WorkerProcess, describe_exit, die_with_parent, log_tail
+from peerstate.launcher.stopped_workers import StoppedWorkers
 from peerstate.launcher.store_connection import open_job_store
 
 POLL_SECONDS = 0.005
@@ -132,6 +134,7 @@ class Agent:
             time.sleep(0.02)
         self.coordinator.start(self.name)
         self._start_relay()
+        self.stopped = StoppedWorkers(self.channel, self.events)
         self.events.write("agent_started", node=self.node, store=self.store_address)
 
     def _start_relay(self) -> None:
@@ -313,8 +316,9 @@ class Agent:
         os.unlink(process.counter.path)
         how = HANG_CAUSES[process.hung] if process.hung else describe_exit(code)
         self.events.write("process_exited", worker=process.worker, rank=process.rank, code=code, how=how)
-        if self._stopping or (code == 0 and process.rank is not None) or self.coordinator.failure():
-            return []  # a worker that stops because the job failed is not a new failure
+        if self.stopped.forget(process) or self._stopping or (code == 0 and process.rank is not None) or \
+                self.coordinator.failure():
+            return []  # reported when it was frozen; or it stops because the job failed: not a new failure
         if finished and process.rank is not None:
             # Its state is final and counted; the others never wait on it again. Only what its
             # script does after the loop (saving, evaluating) did not run: said, not recovered.
@@ -415,7 +419,12 @@ class Agent:
             cause = process.read_progress(now, self.config.hang_timeout, self.config.join_timeout)
             if cause and process.rank is not None and not process.hung:
                 process.hung = cause
+                if self.stopped.freeze(process, self.processes.values()):  # reported now, killed once read
+                    self._report([process.worker], f"rank {process.rank} ({process.worker}) {HANG_HELD[cause]}",
+                                 time.time())
+                    continue
                 os.killpg(process.popen.pid, signal.SIGKILL)  # reaped, and reported, by the next poll
+        self.stopped.kill_released(now)
 
     def _check_leases(self, now: float) -> None:
         """Declare the nodes of this agent's ring window whose lease stopped (see ``LeaseWatch``)."""

@@ -19,6 +19,9 @@ from peerstate.control.progress import ProgressCounter
 # stood still past its bound, or its native liveness count did (see control.progress).
 HANG_CAUSES = {"stalled": "hung (its progress counter stopped) and was killed",
                "frozen": "hung: frozen (its liveness count stopped too) and was killed"}
+# The same, for one frozen for its replacement to read before it is killed (launcher.stopped_workers).
+HANG_HELD = {"stalled": "hung (its progress counter stopped): stopped for its replacement to read, then killed",
+             "frozen": "hung: frozen (its liveness count stopped too), kept for its replacement to read, then killed"}
 
 
 class WorkerProcess:
@@ -37,6 +40,7 @@ class WorkerProcess:
         self.liveness_at = time.monotonic()
         self.ticked = False                # it reached peerstate.Job()
         self.hung: Optional[str] = None   # why it was killed as hung: 'stalled' or 'frozen'
+        self.held = False                  # hung, and frozen for its replacement (launcher.stopped_workers)
         self.claimed = False               # a spare a planner claimed, not yet named by a plan
         self.ready = False                 # a spare in the pool (its script reached track())
         self.exit_watch = ExitWatch(popen.pid)

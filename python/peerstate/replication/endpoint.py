@@ -23,6 +23,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 from peerstate import _C
 from peerstate.errors import InvalidArgumentError
 from peerstate.replication.placement import BuddyPlacement
+from peerstate.replication.stopped_holder import OWN_STATE, REPLICAS, SHARES, StoppedHolder
 from peerstate.state.snapshot import SnapshotStore
 
 Address = Tuple[str, int]
@@ -94,6 +95,8 @@ class Replication:
         self.last_pull = {"chunks": 0, "chunks_from_memory": 0}
         self.transport = _C.TcpTransport(**self._transport_options)
         self.replicator = _C.Replicator(store.native, self.transport, rank)
+        self._index: Optional["_C.ProcessIndex"] = None  # see index_stores
+        self._stopped: Optional[StoppedHolder] = None  # the hung predecessor this replacement adopted
         self._shares: Dict[int, SnapshotStore] = {}  # share -> the store this rank keeps it in
         self._share_replicators: Dict[int, "_C.Replicator"] = {}
         store.add_pre_snapshot_hook(self._wait_before_snapshot)
@@ -136,8 +139,49 @@ class Replication:
         if share in self._shares:
             raise InvalidArgumentError(f"data-parallel share {share} is already served from another store")
         self.server.serve(1 + share, store.native)
+        if self._index is not None:
+            store.native.index_into(self._index, SHARES + share, self.rank)
         self._shares[share] = store
         self._share_replicators[share] = _C.Replicator(store.native, self.transport, self.rank)
+
+    def index_stores(self) -> int:
+        """List this rank's own committed versions and the replicas it holds in a
+        ``_C.ProcessIndex`` from now on, and return its address (see ``stopped_holder``):
+        if this process hangs, its replacement on the node reads them from its memory."""
+        if self._index is None:
+            self._index = _C.ProcessIndex()
+            self.store.native.index_into(self._index, OWN_STATE, self.rank)
+            self.replicas.index_into(self._index, REPLICAS)
+            for share, store in self._shares.items():
+                store.native.index_into(self._index, SHARES + share, self.rank)
+        return self._index.address
+
+    def adopt(self, holder: StoppedHolder, share: Optional[int] = None) -> Tuple[Dict[int, List[int]], List[int],
+                                                                             List[str]]:
+        """Take over what this rank's stopped predecessor ``holder`` held: its replicas
+        are copied into this rank's ReplicaStore, and the versions of data-parallel
+        ``share`` it kept into this rank's store of that share, now; its own versions
+        are one more source of ``pull(self.rank, ...)`` while it lives. Returns (source
+        -> replica versions adopted, share versions adopted, why any was not)."""
+        self._stopped = holder
+        replicas, refused = holder.adopt_replicas(self.replicas)
+        shares: List[int] = []
+        for version in sorted(holder.shares.get(share, {})) if share is not None else []:
+            try:
+                self.pull_share(share, version, [])
+                shares.append(version)
+            except Exception as error:  # noqa: BLE001 - said, and that version is not claimed
+                refused.append(f"version {version} of data-parallel share {share}: {error}")
+        return replicas, shares, refused
+
+    @property
+    def stopped_holder(self) -> Optional[StoppedHolder]:
+        """The stopped predecessor ``adopt`` took over, until ``release_stopped``."""
+        return self._stopped
+
+    def release_stopped(self) -> None:
+        """Read nothing more from the stopped predecessor (it is about to be killed)."""
+        self._stopped = None
 
     def reserve(self, bytes_per_version: Dict[int, int]) -> None:
         """Account the replicas this rank will hold (rank -> bytes of one version) against
@@ -173,8 +217,11 @@ class Replication:
         peers = self.placement.sources(rank) if sources is None else sources
         group = set(self.placement.replica_group(rank))
         local = same_machine or {}
+        stopped = None
+        if rank == self.rank and self._stopped is not None and version in self._stopped.own:
+            stopped = self._stopped.own_source(version)
         pulled = self._pull(self.replicator, [(p, p if p in group else rank, 0) for p in peers], version, local,
-                            f"rank {rank}")
+                            f"rank {rank}", stopped)
         self.last_pull = {"chunks": pulled.chunks, "chunks_from_memory": pulled.chunks_from_memory}
         return pulled.version
 
@@ -182,24 +229,35 @@ class Replication:
                    same_machine: Optional[Dict[int, Tuple[int, int]]] = None) -> PullStats:
         """Fetch ``version`` of data-parallel ``share`` from the members in ``sources``
         (each serves its own copy of it) into the store ``serve_share`` gave, as
-        ``pull`` does. Thread-safe across shares."""
+        ``pull`` does; also from the stopped predecessor ``adopt`` took over, when it
+        kept that share at that version. Thread-safe across shares."""
         if share not in self._shares:
             raise InvalidArgumentError(f"data-parallel share {share} is not kept here: serve_share() it first")
+        stopped = None
+        if self._stopped is not None and version in self._stopped.shares.get(share, {}):
+            stopped = self._stopped.share_source(share, version)
         return self._pull(self._share_replicators[share], [(p, p, 1 + share) for p in sources], version,
-                          same_machine or {}, f"data-parallel share {share}")
+                          same_machine or {}, f"data-parallel share {share}", stopped)
 
     def _pull(self, replicator: "_C.Replicator", sources: List[Tuple[int, int, int]], version: int,
-              same_machine: Dict[int, Tuple[int, int]], what: str) -> PullStats:
-        """(peer, rank asked for, store index) sources, peers on this machine read from memory."""
+              same_machine: Dict[int, Tuple[int, int]], what: str,
+              stopped: Optional[Tuple[int, int, bytes]] = None) -> PullStats:
+        """(peer, rank asked for, store index) sources, peers on this machine read from memory;
+        ``stopped``: (pid, region, metadata) of this rank's own version in its stopped
+        predecessor, read first."""
         pulls = []
         for peer, rank, store in sources:
             if peer == self.rank:
                 continue
             pid, region = same_machine.get(peer, (0, 0))
             pulls.append(_C.PullSource(peer, rank, store=store, pid=pid, region=region))
+        meta = None
+        if stopped is not None:
+            pid, region, meta = stopped
+            pulls.insert(0, _C.PullSource(self.rank, self.rank, pid=pid, region=region))
         if not pulls:
             raise InvalidArgumentError(f"{what} has no source other than this rank")
-        return PullStats(*replicator.pull(pulls, version))
+        return PullStats(*replicator.pull(pulls, version, meta))
 
     def recover(self, rank: int, version: int = -1, sources: Optional[List[int]] = None) -> int:
         """pull() then restore into the registered buffers, without a second checksum

@@ -432,6 +432,8 @@ class Job:
                                        host=self._env.host, replica_budget_bytes=self._replica_budget_bytes,
                                        protection=self._env.protection)
         self.joiner.replication = self.restorer.replication = self.boundary.replication = self.replication
+        if self.progress:  # if this process hangs, its replacement reads its stores from its memory
+            self.progress.set_index_address(self.replication.index_stores())
         self.boundary.replication_serves_shares()  # a spare registered its share stores before its rank
         self.watcher = self.joiner.watcher = EpochWatcher(self.channel.clone(), plan, self.aborts.on_new_epoch)
         try:

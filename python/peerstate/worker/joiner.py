@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
@@ -15,10 +15,11 @@ from peerstate.control.messages import (MemberInstructions, MemberReport, NodeIn
                                         RestoreSource)
 from peerstate.control.planning import expand, lost_without_checkpoint, node_of_worker
 from peerstate.control.timeline import EventLog
-from peerstate.errors import AbortedError, JobFailedError, StateLostError
+from peerstate.errors import AbortedError, Error, JobFailedError, StateLostError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
 from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
+from peerstate.replication.stopped_holder import StoppedHolder
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.membership import EpochWatcher, Membership
 from peerstate.worker.process_groups import ProcessGroups
@@ -99,6 +100,7 @@ class EpochJoiner:
         self.next_step = 0
         self.recoveries = 0
         self._formation_timeouts = 0  # in a row, that no lost member explained
+        self._adopted_share: List[int] = []  # versions of its share adopted from a stopped predecessor
 
     def recover(self) -> None:
         """Join the newest epoch, and again while newer ones supersede it."""
@@ -127,7 +129,8 @@ class EpochJoiner:
             if not needs_state:
                 self.report.mark("abort")
         membership.epoch = plan.epoch
-        orders = self._report_and_wait(plan.epoch, needs_state)
+        stopped, share = self._adopt_stopped(rank) if needs_state and plan.epoch > 0 else ([], [])
+        orders = self._report_and_wait(plan.epoch, needs_state, stopped, share)
         restore = None
         if plan.epoch > 0:
             restore = self._plan(plan, orders.restore)
@@ -167,6 +170,8 @@ class EpochJoiner:
             self.restorer.pending = restore  # track() restores once the state is registered
         membership.end_join()
         if needs_state:
+            if self.restorer.pending is None:  # pulled: else it is killed at its hold's end
+                self._release_stopped()
             # Off the critical path: the first push to this holder comes a step later
             # (if it came sooner, it would fail and the next round would carry it).
             reserve_replicas(self.kv, self.replication, self.placement, rank, self.join_timeout, background=True)
@@ -206,16 +211,57 @@ class EpochJoiner:
                   f"it again in epoch {epoch + 1}")
         self.regroup.begin(epoch, rank, reason, self.watcher.latest.collective_timeout, cause="formation timeout")
 
-    def _report_and_wait(self, epoch: int, needs_state: bool) -> MemberInstructions:
+    def _adopt_stopped(self, rank: int) -> Tuple[List[int], List[int]]:
+        """A replacement whose predecessor hung (its agent froze it and named it in the node
+        channel) takes over what it held: its replicas and its data-parallel share now,
+        its own state as one more source of the pull. Returns the versions of its own
+        state held there and of the share adopted. Anything unreadable is said and left
+        out: the recovery then plans without it."""
+        holder = self.replication.stopped_holder
+        if holder is not None:  # adopted in an earlier epoch's join, superseded since
+            return sorted(holder.own), self._adopted_share
+        raw = self.channel.get(keys.stopped_holder(rank))
+        if not raw:
+            return [], []
+        pid, address = (int(x) for x in raw.decode().split(":"))
+        try:
+            holder = StoppedHolder(pid, address)
+        except Error as error:
+            self.events.write("stopped_holder_unreadable", rank=rank, pid=pid, error=str(error))
+            print(f"peerstate: rank {rank}: the memory of its hung predecessor (pid {pid}) cannot be read, so it "
+                  f"is not a source: {error}", file=sys.stderr, flush=True)
+            self.channel.set(keys.stopped_holder_released(pid), b"1")
+            return [], []
+        shares = self.tracked.shares if self.tracked.own_share(rank) is not None else None
+        replicas, self._adopted_share, refused = self.replication.adopt(
+            holder, shares.local(shares.share_of(rank)) if shares is not None else None)
+        self.events.write("stopped_holder_adopted", rank=rank, pid=pid, own=sorted(holder.own),
+                          replicas={str(s): v for s, v in replicas.items()}, share=self._adopted_share,
+                          refused=refused)
+        for why in refused:
+            print(f"peerstate: rank {rank}: what its hung predecessor held was not all adopted: {why}",
+                  file=sys.stderr, flush=True)
+        return sorted(holder.own), self._adopted_share
+
+    def _release_stopped(self) -> None:
+        """Tell the agent this member no longer reads its stopped predecessor (it is killed)."""
+        holder = self.replication.stopped_holder
+        if holder is not None:
+            self.replication.release_stopped()
+            self.channel.set(keys.stopped_holder_released(holder.pid), b"1")
+
+    def _report_and_wait(self, epoch: int, needs_state: bool, stopped: List[int],
+                         adopted_share: List[int]) -> MemberInstructions:
         """Hand this member's report to its agent (the node channel) and wait for its
         instructions; point the transport at the peers they name."""
         rank = self.membership.rank
         local = self.tracked.local_versions(rank)
         share = self.tracked.own_share(rank)
-        regions = {v: share.region_address(v) for v in local} if share is not None else {}
+        regions = {v: share.region_address(v) for v in {*local, *adopted_share}} if share is not None else {}
         self.channel.set(keys.member_report(epoch, rank), MemberReport(
             rank, self.membership.worker, local, self.replication.held_versions(), self.replication.address,
-            needs_state, os.getpid(), regions, self.checkpoints.latest(), self.tracked.layout).encode())
+            needs_state, os.getpid(), regions, self.checkpoints.latest(), self.tracked.layout, stopped,
+            adopted_share).encode())
         key = keys.member_instructions(epoch, node_of_worker(self.membership.worker))
         deadline = time.monotonic() + self.join_timeout
         while True:

@@ -1,0 +1,91 @@
+"""A hung (stopped) holder's stores, read from its memory by its replacement on
+the same machine: real processes, SIGSTOP, kill -9 (see replication.stopped_holder)."""
+
+import ctypes
+import signal
+
+import pytest
+
+from peerstate import _C
+
+from helpers.cluster import Cluster, PeerError
+
+SMALL = dict(large_bytes=2 << 20, small_count=200, small_bytes=1024, chunk_bytes=256 << 10)
+
+
+def _run_three_steps(cluster):
+    """Both ranks index their stores and take versions 1-3, replicated to each other.
+    Returns {rank: digest of its version 3} and {rank: (pid, index address)}."""
+    indexes = {r: cluster.peers[r].call("index") for r in (0, 1)}
+    digests = {}
+    for version in (1, 2, 3):
+        for r in (0, 1):
+            digests[r] = cluster.peers[r].call("step", version=version)["digest"]
+        for r in (0, 1):
+            assert cluster.peers[r].call("wait", version=version)["results"] == {str(1 - r): None}
+    return digests, {r: (i["pid"], i["address"]) for r, i in indexes.items()}
+
+
+def test_a_hung_rank_and_its_killed_buddy_both_come_back_from_the_hung_ones_memory():
+    # Rank 1 hangs (SIGSTOP); then its buddy, rank 0, is killed: rank 0's only copy is the
+    # replica inside the stopped rank 1, and rank 1's own state is only in itself.
+    with Cluster(["a", "b"], k=1, **SMALL) as cluster:
+        digests, indexes = _run_three_steps(cluster)
+        cluster.peers[1].signal(signal.SIGSTOP)
+        cluster.peers[0].kill()
+        replacement1 = cluster.start(1, name="replacement1")
+        adopted = replacement1.call("adopt", pid=indexes[1][0], address=indexes[1][1])
+        assert adopted["adopted"] == {"0": [2, 3]} and adopted["refused"] == [] and adopted["own"] == [2, 3], adopted
+        got = replacement1.call("recover", rank=1, version=3, sources=[], same_machine={})
+        assert got["version"] == 3 and got["digest"] == digests[1]
+        assert got["chunks_from_memory"] == got["chunks"] > 1, got
+        cluster.peers[1].kill()  # the stopped one is no longer needed
+        # Rank 0's replacement pulls from rank 1's replacement, which now serves the adopted replica.
+        addresses = dict(cluster.addresses, **{"1": ["127.0.0.1", replacement1.call("port")["port"]]})
+        replacement0 = cluster.start(0, name="replacement0")
+        replacement0.call("connect", addresses=addresses)
+        got = replacement0.call("recover", rank=0, version=3, sources=[1])
+        assert got == {"ok": True, "version": 3, "digest": digests[0]}
+
+
+def test_an_index_entry_whose_bytes_changed_is_refused_not_adopted():
+    # The stopped process's memory no longer matches what its index says (a region reused
+    # after the entry was written, here: a version of rank 1 overwritten in place by the
+    # test): its checksums refuse it, and the store keeps what it had.
+    with Cluster(["a", "b"], k=1, **SMALL) as cluster:
+        digests, indexes = _run_three_steps(cluster)
+        cluster.peers[1].signal(signal.SIGSTOP)
+        [(region, nbytes)] = [(e[3], e[4]) for e in _C.read_process_index(*indexes[1]) if e[:3] == (1, 0, 3)]
+        _write_memory(indexes[1][0], region + nbytes // 2, b"\xff" * 64)
+        replacement1 = cluster.start(1, name="replacement1")
+        adopted = replacement1.call("adopt", pid=indexes[1][0], address=indexes[1][1])
+        assert adopted["adopted"] == {"0": [2]}, adopted
+        [refused] = adopted["refused"]
+        assert "version 3 of rank 0" in refused and "CRC32C" in refused, refused
+
+
+def test_a_stopped_holder_that_is_gone_or_not_an_index_is_a_clear_error():
+    with Cluster(["a", "b"], k=1, **SMALL) as cluster:
+        _, indexes = _run_three_steps(cluster)
+        pid, address = indexes[1]
+        replacement1 = cluster.start(1, name="replacement1")
+        with pytest.raises(PeerError, match="not a peerstate index"):
+            replacement1.call("adopt", pid=pid, address=address + 64)
+        cluster.peers[1].kill()
+        cluster.peers[1].proc.wait()
+        with pytest.raises(PeerError, match=f"process {pid}"):
+            replacement1.call("adopt", pid=pid, address=address)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _write_memory(pid, address, data):
+    """process_vm_writev(2): change bytes in another process of this user."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buffer = ctypes.create_string_buffer(data, len(data))
+    local = _IoVec(ctypes.cast(buffer, ctypes.c_void_p), len(data))
+    remote = _IoVec(address, len(data))
+    assert libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == len(data), \
+        ctypes.get_errno()
