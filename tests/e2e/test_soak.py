@@ -67,7 +67,8 @@ def test_the_soak_counts_a_pair_lost_by_two_faults_in_flight_together_as_every_c
         _event("fault_injected", 10.0, scenario=0, scenario_kind="hang", kind="hang", rank=3),
         _event("fault_injected", 10.4, scenario=1, scenario_kind="kill", kind="kill", rank=1),
         _event("plan", 10.45, epoch=1, failed=[1], detected_at=10.42),
-        _event("process_exited", 10.8, rank=3, code=-9, how="hung (its progress counter stopped) and was killed"),
+        _event("process_exited", 10.8, rank=3, worker="n1.1", code=-9,
+               how="hung (its progress counter stopped) and was killed"),
         _event("plan", 10.85, epoch=2, failed=[3], detected_at=10.8),
         _event("checkpoint_fallback", 11.5, epoch=2),
         _event("recovery", 11.9, epoch=2, marks={"0": {"first step": 11.9}}, phases_s={"plan": 0.1}),
@@ -87,9 +88,9 @@ def test_the_soak_counts_a_pair_lost_by_two_faults_in_flight_together_as_every_c
 
 
 def test_a_fallback_though_the_hung_one_of_the_pair_was_kept_for_its_replacement_is_unexpected():
-    # The same two faults, with the hung rank frozen for its replacement to read (a spare of
-    # its node waited): its memory was a source, so falling back is a finding; killed at once
-    # (no spare waiting), it is a known limit, listed apart.
+    # The same two faults, with the hung rank frozen for its replacement to read: its memory
+    # was a source, so falling back is a finding; killed at once (it had no index), it is a
+    # known limit, listed apart.
     soak = _soak_module()
 
     def run(frozen):
@@ -97,9 +98,10 @@ def test_a_fallback_though_the_hung_one_of_the_pair_was_kept_for_its_replacement
             _event("fault_injected", 10.0, scenario=0, scenario_kind="hang-then-kill-buddy", kind="hang", rank=3),
             _event("fault_injected", 10.4, scenario=0, scenario_kind="hang-then-kill-buddy", kind="kill", rank=1),
             _event("plan", 10.45, epoch=1, failed=[1], detected_at=10.42),
-            *([_event("hung_worker_frozen", 10.8, rank=3)] if frozen else []),
+            *([_event("hung_worker_frozen", 10.8, rank=3, worker="n1.1")] if frozen else []),
             _event("plan", 10.85, epoch=2, failed=[3], detected_at=10.8),
-            _event("process_exited", 11.0, rank=3, code=-9, how="hung (its progress counter stopped) and was killed"),
+            _event("process_exited", 11.0, rank=3, worker="n1.1", code=-9,
+                   how="hung (its progress counter stopped) and was killed"),
             _event("checkpoint_fallback", 11.5, epoch=2),
             _event("recovery", 11.9, epoch=2, marks={"0": {"first step": 11.9}}, phases_s={"plan": 0.1}),
         ]
@@ -112,6 +114,28 @@ def test_a_fallback_though_the_hung_one_of_the_pair_was_kept_for_its_replacement
     assert len(kept["unexpected_fallbacks"]) == 1 and not kept["hung_copy_fallbacks"]
     killed = run(frozen=False)
     assert not killed["unexpected_fallbacks"] and len(killed["hung_copy_fallbacks"]) == 1
+
+
+def test_only_the_last_hung_worker_of_a_rank_says_whether_its_copy_was_kept():
+    # From the quick soak: rank 2's worker n1.0 hung, was kept and read by its replacement
+    # n1.5, which hung in turn and was killed at once (then, with no index check it could
+    # pass); the pair's fallback is on n1.5, whose copy nobody kept.
+    soak = _soak_module()
+    events = [
+        _event("fault_injected", 10.0, scenario=0, scenario_kind="hang", kind="hang", rank=2),
+        _event("hung_worker_frozen", 11.0, rank=2, worker="n1.0"),
+        _event("plan", 11.02, epoch=1, failed=[2], detected_at=11.0),
+        _event("fault_injected", 11.1, scenario=1, scenario_kind="hang-then-kill-buddy", kind="hang", rank=2),
+        _event("process_exited", 11.2, rank=2, worker="n1.0", code=-9, how="hung: frozen (...) and was killed"),
+        _event("fault_injected", 11.5, scenario=1, scenario_kind="hang-then-kill-buddy", kind="kill", rank=0),
+        _event("plan", 11.52, epoch=2, failed=[0], detected_at=11.5),
+        _event("process_exited", 12.1, rank=2, worker="n1.5", code=-9, how="hung: frozen (...) and was killed"),
+        _event("plan", 12.4, epoch=3, failed=[2], detected_at=12.1),
+        _event("checkpoint_fallback", 12.6, epoch=3),
+        _event("recovery", 13.0, epoch=3, marks={"0": {"first step": 13.0}}, phases_s={"plan": 0.3}),
+    ]
+    for fault in soak.analyse(events, soak.buddies()):
+        assert fault["outcome"] == "checkpoint" and fault["hung_copy"] and not fault["frozen_copy"], fault
 
 
 def test_a_kill_within_a_step_of_a_fallback_is_counted_apart_not_as_an_unexpected_fallback():
@@ -206,3 +230,15 @@ def test_a_stalled_epoch_has_every_worker_print_its_stacks_once(tmp_path):
     finally:
         worker.kill()
         worker.wait()
+
+
+def test_memory_growth_is_reported_from_the_first_sample_and_after_the_warm_up():
+    # A worker that grows 10% in its first seconds (its warm-up) and then 2%: the second
+    # figure starts at its first sample WARM_UP_SECONDS after its first one.
+    soak = _soak_module()
+    samples = [[100.0, 1000], [105.0, 1100], [100.0 + soak.WARM_UP_SECONDS, 1120], [160.0, 1142.4]]
+    summary = soak.summarise([{"faults": [], "memory": {"7": samples, "8": [[100.0, 500]]}, "unexplained": [],
+                               "leftover": [], "failure": None, "round": 0, "log": ""}], {"equal": True, "tensors": 1})
+    assert abs(summary["memory_growth_max"] - 0.1424) < 1e-9 and summary["workers_measured"] == 1
+    assert abs(summary["memory_growth_after_warm_up_max"] - 0.02) < 1e-9
+    assert summary["workers_measured_after_warm_up"] == 1

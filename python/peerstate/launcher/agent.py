@@ -419,7 +419,7 @@ class Agent:
             cause = process.read_progress(now, self.config.hang_timeout, self.config.join_timeout)
             if cause and process.rank is not None and not process.hung:
                 process.hung = cause
-                if self.stopped.freeze(process, self.processes.values()):  # reported now, killed once read
+                if self.stopped.freeze(process):  # reported now, killed once its replacement read it
                     self._report([process.worker], f"rank {process.rank} ({process.worker}) {HANG_HELD[cause]}",
                                  time.time())
                     continue

@@ -7,9 +7,9 @@ a stalled worker whose threads still run keeps still while it is read) and
 names it in the node channel (``keys.stopped_holder``); its replacement, a
 spare of the same node, reads both from its memory (``replication.
 stopped_holder``) and then releases it (``keys.stopped_holder_released``),
-and only then is it killed. A worker with no index, or with no spare waiting
-on its node (its replacement would be on another machine and could not read
-it), is killed at once, as before.
+and only then is it killed. One whose replacement is on another node (that
+one cannot read it) is killed at the end of its hold; one with no index yet
+(no rank) is killed at once.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Dict, Iterable
+from typing import Dict
 
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
@@ -40,13 +40,13 @@ class StoppedWorkers:
         self.hold_seconds = hold_seconds
         self._held: Dict[int, tuple] = {}  # pid -> (process, kill deadline)
 
-    def freeze(self, process: WorkerProcess, node_processes: Iterable[WorkerProcess]) -> bool:
-        """Stop hung ``process`` and name it for its replacement, when that can help
-        (it published an index, and a spare among ``node_processes`` waits to replace
-        it). Returns whether it did; if not, the caller kills it."""
+    def freeze(self, process: WorkerProcess) -> bool:
+        """Stop hung ``process`` and name it for its replacement, when it published an
+        index (it has a rank and stores). Returns whether it did; if not, the caller
+        kills it. Frozen even with no spare of the node waiting: the planner waits for
+        one, and this node's is refilled first."""
         address = process.counter.index_address()
-        if not address or process.rank is None or not any(
-                p.rank is None and p.ready and not p.claimed for p in node_processes):
+        if not address or process.rank is None:
             return False
         pid = process.popen.pid
         try:

@@ -18,7 +18,7 @@ A replacement for rank r registers the same buffers, then ``repl.recover(r)``.
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from peerstate import _C
 from peerstate.errors import InvalidArgumentError
@@ -97,6 +97,7 @@ class Replication:
         self.replicator = _C.Replicator(store.native, self.transport, rank)
         self._index: Optional["_C.ProcessIndex"] = None  # see index_stores
         self._stopped: Optional[StoppedHolder] = None  # the hung predecessor this replacement adopted
+        self._adopted_own: Set[int] = set()  # its own versions copied from there (see adopt)
         self._shares: Dict[int, SnapshotStore] = {}  # share -> the store this rank keeps it in
         self._share_replicators: Dict[int, "_C.Replicator"] = {}
         store.add_pre_snapshot_hook(self._wait_before_snapshot)
@@ -158,10 +159,13 @@ class Replication:
 
     def adopt(self, holder: StoppedHolder, share: Optional[int] = None) -> Tuple[Dict[int, List[int]], List[int],
                                                                              List[str]]:
-        """Take over what this rank's stopped predecessor ``holder`` held: its replicas
-        are copied into this rank's ReplicaStore, and the versions of data-parallel
-        ``share`` it kept into this rank's store of that share, now; its own versions
-        are one more source of ``pull(self.rank, ...)`` while it lives. Returns (source
+        """Take over what this rank's stopped predecessor ``holder`` held, now: its
+        replicas into this rank's ReplicaStore, the versions of data-parallel ``share``
+        it kept into this rank's store of that share, and, once this rank's buffers are
+        registered, its own versions into this rank's SnapshotStore (``pull(self.rank,
+        v)`` then finds them there; before that it reads them from ``holder``). Every
+        version, not only the one a recovery needs: if this rank is lost in turn, the
+        recovery point may be an older one its buddies' replicas share. Returns (source
         -> replica versions adopted, share versions adopted, why any was not)."""
         self._stopped = holder
         replicas, refused = holder.adopt_replicas(self.replicas)
@@ -172,6 +176,12 @@ class Replication:
                 shares.append(version)
             except Exception as error:  # noqa: BLE001 - said, and that version is not claimed
                 refused.append(f"version {version} of data-parallel share {share}: {error}")
+        for version in sorted(holder.own) if self.store.native.buffer_names() else []:
+            try:
+                self._pull(self.replicator, [], version, {}, f"rank {self.rank}", holder.own_source(version))
+                self._adopted_own.add(version)
+            except Exception as error:  # noqa: BLE001 - read from the stopped process at the pull instead
+                refused.append(f"version {version} of rank {self.rank}'s own state: {error}")
         return replicas, shares, refused
 
     @property
@@ -182,6 +192,7 @@ class Replication:
     def release_stopped(self) -> None:
         """Read nothing more from the stopped predecessor (it is about to be killed)."""
         self._stopped = None
+        self._adopted_own.clear()
 
     def reserve(self, bytes_per_version: Dict[int, int]) -> None:
         """Account the replicas this rank will hold (rank -> bytes of one version) against
@@ -214,6 +225,9 @@ class Replication:
         ``same_machine``: source -> (pid, region address of ``version`` there) for sources
         on this machine: their chunks are read straight from their memory, and only what
         that cannot provide (not permitted, process gone) travels over TCP."""
+        if rank == self.rank and version in self._adopted_own & set(self.store.native.committed_versions()):
+            self.last_pull = {"chunks": 0, "chunks_from_memory": 0}
+            return version  # adopted from the stopped predecessor, every chunk verified then
         peers = self.placement.sources(rank) if sources is None else sources
         group = set(self.placement.replica_group(rank))
         local = same_machine or {}
