@@ -75,11 +75,11 @@ Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version,
   // One metadata round trip to the first source that answers; then every
   // source serves chunks. One that lacks the version fails its first chunk
   // and gives it back, so asking them all costs nothing.
-  VersionMeta meta;
-  if (known != nullptr) meta = *known;
+  VersionMeta meta = known != nullptr ? *known : VersionMeta();
   std::string failures;
   bool only_not_found = true;
-  for (const PullSource& s : known != nullptr ? std::vector<PullSource>() : sources) {
+  for (size_t i = 0; known == nullptr && i < sources.size(); i++) {
+    const PullSource& s = sources[i];
     Status st = transport_->describe(s.peer, s.rank, version, s.store, &meta);
     if (st.ok()) break;
     only_not_found &= st.code() == StatusCode::kNotFound;

@@ -221,7 +221,6 @@ Status ReplicaStore::commit(int source_rank, int64_t version, Deadline deadline)
   if (it->second.committed) it->second.spare = std::move(it->second.committed);  // serves a later version
   it->second.incoming.reset();
   incoming->complete = true;
-  if (index_ && incoming->encoded_meta.empty()) incoming->encoded_meta = encode_meta(incoming->meta);
   it->second.committed = std::move(incoming);
   update_index_locked();
   return Status::Ok();
