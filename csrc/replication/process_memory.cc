@@ -1,21 +1,11 @@
 #include "replication/process_memory.h"
 
-#include <sys/uio.h>
-
-#include <cerrno>
-#include <cstring>
 #include <string>
+
+#include "common/process_memory_read.h"
 
 namespace peerstate {
 namespace {
-
-Status read_error(pid_t pid, int err) {
-  const std::string who = "process " + std::to_string(pid);
-  if (err == EPERM || err == EACCES || err == ENOSYS)
-    return Status(StatusCode::kUnavailable, "not permitted to read the memory of " + who + " (" +
-                                                std::strerror(err) + "): see ptrace(2), ptrace_scope");
-  return Status(StatusCode::kConnectionError, "cannot read the memory of " + who + ": " + std::strerror(err));
-}
 
 // Reads the bytes of chunk `c` of a version laid out as `layout` from `remote_region`
 // in `pid` into `dst` (the chunk's place in a local region); sets *crc.
@@ -23,12 +13,8 @@ Status read_chunk(pid_t pid, uintptr_t remote_region, const Layout& layout, uint
                   uint32_t* crc) {
   uintptr_t from = remote_region + layout.chunks[c].offset;
   auto read = [&](unsigned char* to, size_t max, size_t* got) {
-    iovec local{to, max};
-    iovec remote{reinterpret_cast<void*>(from), max};
-    ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
-    if (n <= 0) return read_error(pid, n == 0 ? EFAULT : errno);
-    from += static_cast<size_t>(n);
-    *got = static_cast<size_t>(n);
+    PEERSTATE_RETURN_IF_ERROR(read_process_memory(pid, from, to, max, got));
+    from += *got;
     return Status::Ok();
   };
   return fill_chunk(layout, c, dst, read, crc);

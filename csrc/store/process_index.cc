@@ -1,9 +1,8 @@
 #include "store/process_index.h"
 
-#include <sys/uio.h>
-
-#include <cerrno>
 #include <cstring>
+
+#include "common/process_memory_read.h"
 
 namespace peerstate {
 namespace {
@@ -26,21 +25,9 @@ bool take(const std::string& in, size_t* pos, T* v) {
 }
 
 Status read_remote(pid_t pid, uintptr_t address, void* dst, size_t nbytes) {
-  size_t done = 0;
-  while (done < nbytes) {
-    iovec local{static_cast<char*>(dst) + done, nbytes - done};
-    iovec remote{reinterpret_cast<void*>(address + done), nbytes - done};
-    ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
-    if (n <= 0) {
-      int err = n == 0 ? EFAULT : errno;
-      const std::string who = "process " + std::to_string(pid);
-      if (err == EPERM || err == EACCES || err == ENOSYS)
-        return Status(StatusCode::kUnavailable, "not permitted to read the memory of " + who + " (" +
-                                                    std::strerror(err) + "): see ptrace(2), ptrace_scope");
-      return Status(StatusCode::kConnectionError, "cannot read the index of " + who + ": " + std::strerror(err));
-    }
-    done += static_cast<size_t>(n);
-  }
+  for (size_t done = 0, got = 0; done < nbytes; done += got)
+    PEERSTATE_RETURN_IF_ERROR(read_process_memory(pid, address + done, static_cast<char*>(dst) + done,
+                                                  nbytes - done, &got));
   return Status::Ok();
 }
 

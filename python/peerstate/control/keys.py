@@ -43,7 +43,7 @@ workers: they never read the job's store for the recovery protocol)
     ``epoch/{e}/report/{rank}``     a member's MemberReport, for its agent to gather
     ``epoch/{e}/orders/{n}``        the node's NodeInstructions, as the plan writer wrote them
     ``stopped/{rank}``              "{pid}:{index address}" of the rank's hung worker, frozen for its replacement
-    ``stopped/{rank}/released``     set by that replacement once it no longer reads it (then it is killed)
+    ``released/{pid}``              set by that replacement once it no longer reads it (then it is killed)
 
 Tools
     ``inject/{index}``              the agent that injected fault ``index`` (injected once)
@@ -157,5 +157,5 @@ def stopped_holder(rank: int) -> str:
     return f"stopped/{rank}"
 
 
-def stopped_holder_released(rank: int) -> str:
-    return f"stopped/{rank}/released"
+def stopped_holder_released(pid: int) -> str:
+    return f"released/{pid}"
