@@ -252,14 +252,17 @@ def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
         # buddy among them took every copy of its state.
         settled = max((epoch for epoch, _, _ in completed if epoch < first), default=0)
         lost = {rank for _, epoch, failed in plans if settled < epoch <= through[-1] for rank in failed}
-        pairs = {rank for rank in lost if buddy[rank] in lost}
+        pairs = {frozenset((rank, buddy[rank])) for rank in lost if buddy[rank] in lost}
         fault["every_copy_taken"] = bool(pairs)
         until = ended[1] if ended else math.inf  # one of them was hung, not gone, until the agent killed it
-        hung_pair = {rank: worker for t, rank, worker in hung if rank in pairs and start <= t <= until}
-        fault["hung_copy"] = bool(hung_pair)
-        # The last hung worker of a rank of the pair (an earlier one may have been read by the
-        # replacement that hung after it) was kept for its replacement: a copy was readable.
-        fault["frozen_copy"] = any(worker in frozen for worker in hung_pair.values())
+        last_hung = {rank: worker for t, rank, worker in hung if start <= t <= until}
+        # Each pair is judged apart: a fallback is expected while any pair lost every copy, and a
+        # pair did not when the last hung worker of one of its ranks (an earlier one may have been
+        # read by the replacement that hung after it) was kept for its replacement to read. A
+        # frozen copy of one pair says nothing of another pair killed with it in the same recovery.
+        fault["hung_copy"] = bool(pairs) and all(any(rank in last_hung for rank in pair) for pair in pairs)
+        fault["frozen_copy"] = bool(pairs) and all(any(last_hung.get(rank) in frozen for rank in pair)
+                                                   for pair in pairs)
         if any(epoch in losses for epoch in through) or ended is None:
             fault["outcome"] = "lost" if any(epoch in losses for epoch in through) else "stopped"
             continue

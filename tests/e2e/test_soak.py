@@ -138,6 +138,44 @@ def test_only_the_last_hung_worker_of_a_rank_says_whether_its_copy_was_kept():
         assert fault["outcome"] == "checkpoint" and fault["hung_copy"] and not fault["frozen_copy"], fault
 
 
+def test_a_kept_copy_of_one_pair_does_not_make_another_pairs_fallback_unexpected():
+    # From the quick soak in CI: rank 2 hung (kept for its replacement) and its buddy rank 0 was
+    # killed; before that recovery's first step, rank 1 and its buddy rank 3 were killed together.
+    # The fallback is that second pair's (every copy of rank 3 taken), expected for both faults;
+    # the first pair's kept copy was a source and counted as one. Judged over the ranks of both
+    # pairs at once, the kept copy made the fallback a finding.
+    soak = _soak_module()
+
+    def run(second_pair_killed):
+        events = [
+            _event("fault_injected", 46.46, scenario=7, scenario_kind="hang-then-kill-buddy", kind="hang", rank=2),
+            _event("fault_injected", 47.01, scenario=7, scenario_kind="hang-then-kill-buddy", kind="kill", rank=0),
+            _event("plan", 47.05, epoch=9, failed=[0], detected_at=47.02),
+            _event("hung_worker_frozen", 47.48, rank=2, worker="n1.8"),
+            _event("plan", 47.51, epoch=10, failed=[2], detected_at=47.48),
+            _event("process_exited", 47.70, rank=2, worker="n1.8", code=-9, how="hung: frozen (...) and was killed"),
+            *([_event("fault_injected", 48.38, scenario=8, scenario_kind="kill-with-buddy", kind="kill", rank=3),
+               _event("fault_injected", 48.39, scenario=8, scenario_kind="kill-with-buddy", kind="kill", rank=1),
+               _event("plan", 48.52, epoch=11, failed=[1, 3], detected_at=48.41),
+               _event("checkpoint_fallback", 48.53, epoch=11, message="ranks 1 and 3 lost; ...")]
+              if second_pair_killed else [_event("checkpoint_fallback", 47.6, epoch=10, message="ranks 0 and 2 lost")]),
+            _event("recovery", 49.10, epoch=11 if second_pair_killed else 10, marks={"0": {"first step": 49.10}},
+                   phases_s={"plan": 0.1}),
+        ]
+        faults = soak.analyse(events, soak.buddies())
+        return faults, soak.summarise([{"faults": faults, "memory": {}, "unexplained": [], "leftover": [],
+                                        "failure": None, "round": 0, "log": ""}], {"equal": True, "tensors": 1})
+
+    faults, summary = run(second_pair_killed=True)
+    assert soak.buddies()[0] == 2 and soak.buddies()[1] == 3
+    assert [f["outcome"] for f in faults] == ["checkpoint", "checkpoint"], faults
+    assert all(f["every_copy_taken"] and not f["frozen_copy"] for f in faults), faults
+    assert not summary["unexpected_fallbacks"], summary["unexpected_fallbacks"]
+    # Alone, the kept pair's fallback is still a finding.
+    [alone], summary = run(second_pair_killed=False)
+    assert alone["frozen_copy"] and summary["unexpected_fallbacks"] == [alone], alone
+
+
 def test_a_kill_within_a_step_of_a_fallback_is_counted_apart_not_as_an_unexpected_fallback():
     # From a real round (seed 11's round 4): rank 2 killed 0.1 s after a recovery from the
     # checkpoint, before its first new copy reached its buddy. It falls back again (correctly:
