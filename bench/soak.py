@@ -26,10 +26,12 @@ Reported, per fault (a sequence of two counts as one):
   p50, p99, max, and every one over 2 s and over 5 s with its slowest phase
   and its plan's reason;
 - recoveries no injected fault explains (a node declared lost that was not);
-- each worker's resident memory after each recovery, and its growth over its
-  life (a leak grows), from its first sample and from its first sample
-  ``WARM_UP_SECONDS`` after that one (what a starting worker settles into is
-  not a leak: ``bench/memory_drift.py``);
+- each worker's resident memory, sampled after each recovery and every
+  ``MEMORY_SAMPLE_SECONDS``, and its growth over its life (a leak grows), from
+  its first sample and, across recoveries, from its first sample
+  ``WARM_UP_SECONDS`` after that one to its last, where a recovery ended
+  between the two (what a starting worker settles into is not a leak:
+  ``bench/memory_drift.py``);
 - processes left behind after each round; the final parameters against the
   fault-free run's;
 - where an epoch stalled (no member joined it 4 s after its plan: with its
@@ -96,8 +98,10 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
     (workdir / f"round{index}").mkdir(parents=True, exist_ok=True)
     (workdir / f"round{index}" / "round.json").write_text(json.dumps({"steps": total_steps,
                                                                        "spec": fault_spec(args, index)}))
-    memory: Dict[int, List[List[float]]] = {}  # pid -> [wall time, its resident bytes] after each recovery
-    seen = 0
+    # pid -> [wall time, its resident bytes, recoveries ended so far], after each recovery and
+    # every MEMORY_SAMPLE_SECONDS: a worker is measured from soon after it took its rank.
+    memory: Dict[int, List[List[float]]] = {}
+    seen, sampled = 0, -math.inf
     dumped: set = set()
     try:
         deadline = time.monotonic() + args.round_timeout
@@ -105,12 +109,12 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
             events = job.events()
             dump_stalled(job, events, dumped)
             recoveries = sum(e["event"] == "recovery" for e in events)
-            if recoveries > seen:  # a recovery just ended: how much does each worker hold now?
-                seen = recoveries
+            if recoveries > seen or time.monotonic() - sampled >= MEMORY_SAMPLE_SECONDS:
+                seen, sampled = recoveries, time.monotonic()
                 for pid in [pids[-1] for pids in job.rank_pids().values()]:
                     rss = resident_bytes(pid)
                     if rss:
-                        memory.setdefault(pid, []).append([time.time(), rss])
+                        memory.setdefault(pid, []).append([time.time(), rss, recoveries])
             time.sleep(0.2)
         codes = [agent.poll() for agent in job.agents]
     finally:
@@ -129,6 +133,7 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
 # filling). Growth is also reported from the first sample a worker gave at least this long
 # after its first: what recoveries add, not what a starting worker settles into.
 WARM_UP_SECONDS = 12.0
+MEMORY_SAMPLE_SECONDS = 2.0
 STALL_SECONDS = 4.0  # a plan that old whose epoch no member joined: the round dumps every worker's stacks
 
 
@@ -335,9 +340,10 @@ def summarise(rounds: List[dict], check: dict) -> dict:
         for samples in r["memory"].values():
             if len(samples) >= 2:
                 growth.append(samples[-1][1] / samples[0][1] - 1)
-            after = [rss for t, rss in samples if t >= samples[0][0] + WARM_UP_SECONDS]
-            if len(after) >= 2:
-                settled.append(after[-1] / after[0] - 1)
+            # Across recoveries: a recovery ended between the two samples it is measured from.
+            after = [(rss, recoveries) for t, rss, recoveries in samples if t >= samples[0][0] + WARM_UP_SECONDS]
+            if len(after) >= 2 and after[-1][1] > after[0][1]:
+                settled.append(after[-1][0] / after[0][0] - 1)
     by_outcome: Dict[str, int] = {}
     for fault in faults:
         by_outcome[fault["outcome"]] = by_outcome.get(fault["outcome"], 0) + 1
@@ -495,7 +501,7 @@ def report(summary: dict, rounds: List[dict], seconds: float) -> None:
           f"from their first sample ({summary['workers_measured']} workers), "
           f"{'-' if settled is None else f'{settled:+.1%}'} after their warm-up "
           f"({summary['workers_measured_after_warm_up']} workers sampled twice {WARM_UP_SECONDS:g} s or more after "
-          f"their first sample); processes left behind: {summary['leftover_processes']}")
+          f"their first sample, a recovery between); processes left behind: {summary['leftover_processes']}")
     for failed in summary["failed_rounds"]:
         print(f"  round {failed['round']} stopped: {failed['reason']} (logs: {failed['log']})")
     print(f"final parameters bitwise equal to the fault-free run: {summary['bitwise']['equal']} "

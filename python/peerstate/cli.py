@@ -29,7 +29,8 @@ def agent_config(args: argparse.Namespace, environ: Mapping[str, str]):
     return AgentConfig(script=[args.script, *args.script_args], nproc_per_node=args.nproc_per_node,
                        spares=args.spares, nnodes=nnodes, node_rank=0 if args.node_rank is None else args.node_rank,
                        store=store, host=args.host, log_dir=args.log_dir, hang_timeout=args.hang_timeout,
-                       lease_timeout=args.lease_timeout, spare_timeout=args.spare_timeout,
+                       freeze_timeout=args.freeze_timeout, lease_timeout=args.lease_timeout,
+                       spare_timeout=args.spare_timeout,
                        join_timeout=args.join_timeout, checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, inject=args.inject, secret_file=args.secret_file,
                        frame_protection=args.frame_protection, job_id=args.job_id, store_timeout=args.store_timeout,
@@ -108,6 +109,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--hang-timeout", type=float, default=10.0, help="seconds a worker's heartbeat may stand "
                      "still in its loop before it is declared hung and killed (before its first step and while "
                      "it recovers: --join-timeout)")
+    run.add_argument("--freeze-timeout", type=float, default=0.5, help="seconds a worker's native liveness count "
+                     "(bumped every 0.1 s by a thread that never waits on the GIL or a peer) may stand still, in "
+                     "any phase, before the worker is declared frozen (SIGSTOP, a cgroup freeze, a debugger that "
+                     "stops it) and handled as hung; at least 0.3")
     run.add_argument("--lease-timeout", type=float, default=3.0, help="seconds without a node's heartbeat "
                      "before it is declared lost")
     run.add_argument("--spare-timeout", type=float, default=60.0, help="seconds a recovery waits for a spare")

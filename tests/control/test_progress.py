@@ -109,11 +109,11 @@ def _watched(tmp_path, how):
     return process, WorkerProcess("n0.0", 0, process, progress.ProgressCounter(path), tmp_path / "log")
 
 
-def _causes(watched, seconds, hang_timeout=0.3, join_timeout=30.0):
+def _causes(watched, seconds, hang_timeout=0.3, join_timeout=30.0, freeze_timeout=30.0):
     seen = set()
     until = time.monotonic() + seconds
     while time.monotonic() < until:
-        seen.add(watched.read_progress(time.monotonic(), hang_timeout, join_timeout))
+        seen.add(watched.read_progress(time.monotonic(), hang_timeout, join_timeout, freeze_timeout))
         time.sleep(0.02)
     return seen
 
@@ -151,3 +151,44 @@ def test_a_worker_that_exits_right_after_it_started_ticking_has_a_heartbeat(tmp_
     assert subprocess.run([sys.executable, "-c", quick, path], timeout=60).returncode == 1
     counter = progress.ProgressCounter(path)
     assert counter.read()[0] > 0
+
+
+def test_a_frozen_worker_is_found_by_the_freeze_bound_long_before_the_hang_bound(tmp_path):
+    # --freeze-timeout bounds the native count alone: a held interpreter (its heartbeat
+    # stopped, the GIL held) is not frozen, and is left to --hang-timeout; SIGSTOP is found
+    # within the freeze bound though the hang bound is a minute.
+    from peerstate.launcher.processes import WorkerProcess
+
+    path = str(tmp_path / "worker.progress")
+    progress.create(path)
+    process = subprocess.Popen([sys.executable, "-c", TICKING, path, "2"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    watched = WorkerProcess("n0.0", 0, process, progress.ProgressCounter(path), tmp_path / "log")
+    bounds = dict(hang_timeout=60.0, join_timeout=60.0, freeze_timeout=0.3)
+    try:
+        assert process.stdout.readline() == "ticking\n"
+        watched.counter.set_step(5)
+        assert _causes(watched, 0.3, **bounds) == {None}
+        process.stdin.write("hold\n")
+        process.stdin.flush()
+        assert _causes(watched, 1.5, **bounds) == {None}  # held, not frozen
+        process.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        while watched.read_progress(time.monotonic(), **bounds) != "frozen":
+            assert time.monotonic() - stopped < 5.0, "a frozen worker was not found"
+            time.sleep(0.01)
+        assert time.monotonic() - stopped < 0.3 + 1.0  # the bound, and a tick it may have just made
+    finally:
+        process.kill()
+        process.wait()
+        watched.counter.close()
+        watched.exit_watch.close()
+
+
+def test_a_freeze_bound_under_three_ticks_is_refused():
+    from peerstate.launcher.config import AgentConfig
+
+    config = AgentConfig(script=["train.py"], nproc_per_node=1, freeze_timeout=0.1)
+    with pytest.raises(InvalidArgumentError, match="--freeze-timeout 0.1 is too short.*at least"):
+        config.validate()
+    AgentConfig(script=["train.py"], nproc_per_node=1, freeze_timeout=0.3).validate()

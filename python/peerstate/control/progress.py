@@ -40,6 +40,12 @@ SETUP = -3
 # liveness count still bounds a frozen one by --hang-timeout.
 EXITING = -4
 _LIVENESS_OFFSET = 16
+# How often both tickers bump their counts. A native thread that only sleeps and stores
+# is late by scheduling delays of milliseconds, so a liveness count that stood still for
+# a few intervals means the whole process is stopped (launcher.config.AgentConfig's
+# freeze_timeout is at least FREEZE_INTERVALS of them).
+TICK_SECONDS = 0.1
+FREEZE_INTERVALS = 3
 
 
 def create(path: str) -> None:
@@ -76,7 +82,7 @@ class ProgressCounter:
     def set_step(self, step: int) -> None:
         struct.pack_into("<q", self._map, 8, step)
 
-    def start_ticking(self, interval: float = 0.1) -> None:
+    def start_ticking(self, interval: float = TICK_SECONDS) -> None:
         """Start both tickers (worker side), the native one first: the agent reads a
         Python heartbeat as the sign that the liveness count runs too."""
         from peerstate import _C

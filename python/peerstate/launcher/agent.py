@@ -416,7 +416,8 @@ class Agent:
 
     def _check_hangs(self, now: float) -> None:
         for process in self.processes.values():
-            cause = process.read_progress(now, self.config.hang_timeout, self.config.join_timeout)
+            cause = process.read_progress(now, self.config.hang_timeout, self.config.join_timeout,
+                                          self.config.freeze_timeout)
             if cause and process.rank is not None and not process.hung:
                 process.hung = cause
                 if self.stopped.freeze(process):  # reported now, killed once its replacement read it

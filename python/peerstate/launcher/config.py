@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from peerstate.control import progress
 from peerstate.control.etcd_store import DEFAULT_UNAVAILABLE_TIMEOUT, TlsFiles
 from peerstate.errors import InvalidArgumentError
 from peerstate.launcher.fork_server import DEFAULT_PRELOAD
@@ -27,6 +28,10 @@ class AgentConfig:
     host: str = "127.0.0.1"                # the address this node's workers listen on
     log_dir: str = "peerstate-logs"
     hang_timeout: float = 10.0             # a worker whose counter stops this long in its loop is killed
+    # A worker whose native liveness count stops this long is frozen as a whole (SIGSTOP, a
+    # cgroup freeze, a debugger that stops it): that count never waits on the GIL or a peer,
+    # so the bound can be a few of its ticks, not a loop's worst step (control.progress).
+    freeze_timeout: float = 0.5
     lease_timeout: float = 3.0             # a node whose lease stops this long is lost
     spare_timeout: float = 60.0            # how long a plan waits for a spare to become ready
     join_timeout: float = 120.0            # how long nodes wait for each other at start
@@ -55,4 +60,10 @@ class AgentConfig:
         if self.frame_protection not in ("authenticated", "encrypted", "trusted-fabric"):
             raise InvalidArgumentError(f"--frame-protection must be authenticated, encrypted or trusted-fabric (got "
                                        f"{self.frame_protection!r})")
+        least = round(progress.FREEZE_INTERVALS * progress.TICK_SECONDS, 6)
+        if not self.freeze_timeout >= least:
+            raise InvalidArgumentError(
+                f"--freeze-timeout {self.freeze_timeout} is too short: a worker's liveness count ticks every "
+                f"{progress.TICK_SECONDS}s, and a bound under {progress.FREEZE_INTERVALS} ticks ({least:.1f}s) would "
+                "take a merely late tick for a frozen process; give at least that")
         check_store_flags(self.store, self.job_id, self.store_timeout)

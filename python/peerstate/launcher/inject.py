@@ -15,7 +15,8 @@ schedule made of two that land together (their victims from the placement
 every process computes, ``BuddyPlacement`` with k=1):
 
     kill-in-recovery             kill a rank, then another 0.05-0.3 s later, inside the recovery
-    hang-then-kill-buddy         hang a rank, then kill its buddy 0.2-0.6 s later, before the hang is seen
+    hang-then-kill-buddy         hang a rank, then kill its buddy 0.1-0.35 s later, before the hang is
+                                 seen (a frozen worker is found after --freeze-timeout, 0.5 s by default)
     kill-with-buddy              kill a rank and its buddy at once (its state's every copy: a
                                  disk checkpoint is the only way back)
 
@@ -140,7 +141,7 @@ def _random_schedule(fields: Dict[str, str], world_size: int, nnodes: int) -> Li
             drawn = [Fault("kill", rank=victim, time=at), Fault("kill", rank=other, time=at + draw.uniform(0.05, 0.3))]
         elif kind == "hang-then-kill-buddy":
             drawn = [Fault("hang", rank=victim, time=at),
-                     Fault("kill", rank=buddy[victim], time=at + draw.uniform(0.2, 0.6))]
+                     Fault("kill", rank=buddy[victim], time=at + draw.uniform(0.1, 0.35))]
         elif kind == "kill-with-buddy":
             drawn = [Fault("kill", rank=victim, time=at), Fault("kill", rank=buddy[victim], time=at)]
         else:

@@ -45,15 +45,17 @@ class WorkerProcess:
         self.ready = False                 # a spare in the pool (its script reached track())
         self.exit_watch = ExitWatch(popen.pid)
 
-    def read_progress(self, now: float, hang_timeout: float, join_timeout: float) -> Optional[str]:
+    def read_progress(self, now: float, hang_timeout: float, join_timeout: float,
+                      freeze_timeout: float) -> Optional[str]:
         """Read its progress counter at ``now``: the cause (a key of ``HANG_CAUSES``)
         when it is hung, else None. Its Python heartbeat is bounded by ``hang_timeout``
         in the loop, and by ``join_timeout`` before its first step, while it recovers
         (``progress.SETUP`` says why) and once it closed its job without finishing
         (``progress.EXITING``), as nvidia-resiliency-ext bounds the first
         heartbeat apart from the later ones. Its native liveness count is bounded by
-        ``hang_timeout`` throughout: a worker frozen while it recovers is found as fast
-        as one frozen in its loop, and before its peers' group formation gives up on it.
+        ``freeze_timeout`` (or ``hang_timeout`` if shorter) throughout: nothing healthy
+        stops it, so a frozen worker is found in a few of its intervals, in its loop as
+        while it recovers, before its peers' group formation gives up on it.
         Not before it reached peerstate.Job(), nor once it finished its loop."""
         heartbeat, step, liveness = self.counter.read()
         if heartbeat != self.heartbeat:
@@ -62,7 +64,7 @@ class WorkerProcess:
             self.liveness, self.liveness_at = liveness, now
         if not self.ticked or step == progress.FINISHED:
             return None
-        if self.liveness > 0 and now - self.liveness_at > hang_timeout:
+        if self.liveness > 0 and now - self.liveness_at > min(freeze_timeout, hang_timeout):
             return "frozen"
         bound = hang_timeout if step >= 0 else max(hang_timeout, join_timeout)
         return "stalled" if now - self.heartbeat_at > bound else None
