@@ -144,6 +144,9 @@ class Peer:
 
 
 def main():
+    from peerstate.replication.stopped_holder import permit_reads_by_the_node
+
+    permit_reads_by_the_node()  # as a worker does: its siblings read it (its replacement, a same-node puller)
     peer = Peer()
     for line in sys.stdin:
         request = json.loads(line)

@@ -3,6 +3,8 @@ the same machine: real processes, SIGSTOP, kill -9 (see replication.stopped_hold
 
 import ctypes
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -89,3 +91,57 @@ def _write_memory(pid, address, data):
     remote = _IoVec(address, len(data))
     assert libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == len(data), \
         ctypes.get_errno()
+
+
+YAMA = "/proc/sys/kernel/yama/ptrace_scope"
+# A process that permits, or not, its parent's descendants to read it; then waits.
+TARGET = """
+import sys
+from peerstate.replication.stopped_holder import permit_reads_by_the_node
+if sys.argv[1] == "permit":
+    assert permit_reads_by_the_node()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+# A sibling that reads an index at a bad address there: refused by ptrace rules, or read
+# and found to be no index.
+READER = """
+import sys
+from peerstate import _C
+try:
+    _C.read_process_index(int(sys.argv[1]), 4096)
+except Exception as error:
+    print(error, flush=True)
+"""
+
+
+def _yama_mode():
+    try:
+        with open(YAMA) as f:
+            return int(f.read())
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.skipif(_yama_mode() != 1, reason=f"needs Yama's ptrace_scope=1 ({YAMA}: {_yama_mode()})")
+@pytest.mark.parametrize("permit", [True, False], ids=["permitted", "not-permitted"])
+def test_under_yama_a_worker_that_permits_its_node_is_read_by_a_sibling(permit):
+    # Ubuntu's default forbids reading a sibling's memory: a worker names its parent, whose
+    # descendants (the node's workers and spares) may then read it; without that, refused.
+    target = subprocess.Popen([sys.executable, "-c", TARGET, "permit" if permit else "keep"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout.readline() == "ready\n"
+        said = subprocess.run([sys.executable, "-c", READER, str(target.pid)], capture_output=True, text=True,
+                              timeout=60).stdout
+        assert ("not permitted" in said) != permit, said
+    finally:
+        target.kill()
+        target.wait()
+
+
+def test_permitting_the_node_is_harmless_where_yama_is_absent_or_off():
+    from peerstate.replication.stopped_holder import permit_reads_by_the_node
+
+    took = permit_reads_by_the_node()
+    assert took == (_yama_mode() is not None), (took, _yama_mode())

@@ -98,6 +98,7 @@ class Replication:
         self._index: Optional["_C.ProcessIndex"] = None  # see index_stores
         self._stopped: Optional[StoppedHolder] = None  # the hung predecessor this replacement adopted
         self._adopted_own: Set[int] = set()  # its own versions copied from there (see adopt)
+        self._adopted_share: List[int] = []  # versions of its data-parallel share copied from there
         self._shares: Dict[int, SnapshotStore] = {}  # share -> the store this rank keeps it in
         self._share_replicators: Dict[int, "_C.Replicator"] = {}
         store.add_pre_snapshot_hook(self._wait_before_snapshot)
@@ -182,6 +183,7 @@ class Replication:
                 self._adopted_own.add(version)
             except Exception as error:  # noqa: BLE001 - read from the stopped process at the pull instead
                 refused.append(f"version {version} of rank {self.rank}'s own state: {error}")
+        self._adopted_share = shares
         return replicas, shares, refused
 
     @property
@@ -189,10 +191,16 @@ class Replication:
         """The stopped predecessor ``adopt`` took over, until ``release_stopped``."""
         return self._stopped
 
+    @property
+    def adopted_share(self) -> List[int]:
+        """The versions of its data-parallel share ``adopt`` took, until ``release_stopped``."""
+        return self._adopted_share
+
     def release_stopped(self) -> None:
         """Read nothing more from the stopped predecessor (it is about to be killed)."""
         self._stopped = None
         self._adopted_own.clear()
+        self._adopted_share = []
 
     def reserve(self, bytes_per_version: Dict[int, int]) -> None:
         """Account the replicas this rank will hold (rank -> bytes of one version) against

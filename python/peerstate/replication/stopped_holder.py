@@ -16,6 +16,8 @@ CRC32C, so what a process stopped mid-update left is refused, not used.
 
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import Dict, List, NamedTuple, Tuple
 
 from peerstate import _C
@@ -23,6 +25,24 @@ from peerstate import _C
 OWN_STATE = 0  # ProcessIndex tag of a worker's own SnapshotStore
 REPLICAS = 1   # of its ReplicaStore
 SHARES = 2     # of its store of data-parallel share i (local index): SHARES + i
+
+
+# prctl(2)'s PR_SET_PTRACER (include/uapi/linux/prctl.h): Yama's exception to ptrace_scope=1.
+_PR_SET_PTRACER = 0x59616D61
+
+
+def permit_reads_by_the_node() -> bool:
+    """Let the other processes of this node's job read this one's memory: its
+    replacement, if it hangs (``StoppedHolder``), and same-node pullers of its
+    data-parallel share. With Yama's ``ptrace_scope=1`` (Ubuntu's default) a
+    process may read only its descendants' memory, and workers are siblings;
+    this names this process's parent (the node's fork server, or its agent when
+    workers start their own interpreters) as the one whose descendants may
+    read it: the node's workers and spares, not every process of the user
+    (``PR_SET_PTRACER_ANY`` would). True when Yama took it; False where Yama is
+    absent (the kernel's same-user rule already permits it) or refused."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(os.getppid()), 0, 0, 0) == 0
 
 
 class IndexedVersion(NamedTuple):

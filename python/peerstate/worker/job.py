@@ -65,6 +65,7 @@ from peerstate.control.timeline import EventLog
 from peerstate.errors import InvalidArgumentError, JobFailedError
 from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
+from peerstate.replication.stopped_holder import permit_reads_by_the_node
 from peerstate.worker.abort import AbortHandler
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.joiner import FORM_CONNECT_TIMEOUT, EpochJoiner, Superseded
@@ -167,6 +168,7 @@ class Job:
         self.progress = ProgressCounter(env.progress) if env.progress else None
         if self.progress:
             self.progress.start_ticking()
+        permit_reads_by_the_node()  # its replacement reads its stores if it hangs, a same-node peer its share
         # gloo: a collective or a rendezvous that no abort wakes fails on its own well
         # before the deadline (the members reach form() together: a join is a barrier).
         self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,

@@ -100,7 +100,6 @@ class EpochJoiner:
         self.next_step = 0
         self.recoveries = 0
         self._formation_timeouts = 0  # in a row, that no lost member explained
-        self._adopted_share: List[int] = []  # versions of its share adopted from a stopped predecessor
 
     def recover(self) -> None:
         """Join the newest epoch, and again while newer ones supersede it."""
@@ -219,7 +218,7 @@ class EpochJoiner:
         out: the recovery then plans without it."""
         holder = self.replication.stopped_holder
         if holder is not None:  # adopted in an earlier epoch's join, superseded since
-            return sorted(holder.own), self._adopted_share
+            return sorted(holder.own), self.replication.adopted_share
         raw = self.channel.get(keys.stopped_holder(rank))
         if not raw:
             return [], []
@@ -233,15 +232,15 @@ class EpochJoiner:
             self.channel.set(keys.stopped_holder_released(pid), b"1")
             return [], []
         shares = self.tracked.shares if self.tracked.own_share(rank) is not None else None
-        replicas, self._adopted_share, refused = self.replication.adopt(
+        replicas, adopted_share, refused = self.replication.adopt(
             holder, shares.local(shares.share_of(rank)) if shares is not None else None)
         self.events.write("stopped_holder_adopted", rank=rank, pid=pid, own=sorted(holder.own),
-                          replicas={str(s): v for s, v in replicas.items()}, share=self._adopted_share,
+                          replicas={str(s): v for s, v in replicas.items()}, share=adopted_share,
                           refused=refused)
         for why in refused:
             print(f"peerstate: rank {rank}: what its hung predecessor held was not all adopted: {why}",
                   file=sys.stderr, flush=True)
-        return sorted(holder.own), self._adopted_share
+        return sorted(holder.own), adopted_share
 
     def _release_stopped(self) -> None:
         """Tell the agent this member no longer reads its stopped predecessor (it is killed)."""
