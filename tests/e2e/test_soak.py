@@ -50,6 +50,12 @@ def _event(name, time, **fields):
     return {"event": name, "time": time, **fields}
 
 
+def _summary(soak, faults, memory=None):
+    """The soak's summary of one round of ``faults`` (and workers' ``memory``), bitwise equal."""
+    return soak.summarise([{"faults": faults, "memory": memory or {}, "unexplained": [], "leftover": [],
+                            "failure": None, "round": 0, "log": ""}], {"equal": True, "tensors": 1})
+
+
 def _soak_module():
     spec = importlib.util.spec_from_file_location("soak", SOAK)
     module = importlib.util.module_from_spec(spec)
@@ -82,8 +88,7 @@ def test_the_soak_counts_a_pair_lost_by_two_faults_in_flight_together_as_every_c
         assert fault["outcome"] == "checkpoint" and fault["every_copy_taken"] and fault["hung_copy"], fault
     assert alone["outcome"] == "recovered" and not alone["every_copy_taken"], alone
     assert abs(alone["seconds"] - 0.4) < 1e-9
-    summary = soak.summarise([{"faults": [hang, kill, alone], "memory": {}, "unexplained": [], "leftover": [],
-                               "failure": None, "round": 0, "log": ""}], {"equal": True, "tensors": 1})
+    summary = _summary(soak, [hang, kill, alone])
     assert not summary["unexpected_fallbacks"] and len(summary["hung_copy_fallbacks"]) == 2
 
 
@@ -107,8 +112,7 @@ def test_a_fallback_though_the_hung_one_of_the_pair_was_kept_for_its_replacement
         ]
         [fault] = soak.analyse(events, soak.buddies())
         assert fault["every_copy_taken"] and fault["hung_copy"] and fault["frozen_copy"] == frozen, fault
-        return soak.summarise([{"faults": [fault], "memory": {}, "unexplained": [], "leftover": [],
-                                "failure": None, "round": 0, "log": ""}], {"equal": True, "tensors": 1})
+        return _summary(soak, [fault])
 
     kept = run(frozen=True)
     assert len(kept["unexpected_fallbacks"]) == 1 and not kept["hung_copy_fallbacks"]
@@ -163,8 +167,7 @@ def test_a_kept_copy_of_one_pair_does_not_make_another_pairs_fallback_unexpected
                    phases_s={"plan": 0.1}),
         ]
         faults = soak.analyse(events, soak.buddies())
-        return faults, soak.summarise([{"faults": faults, "memory": {}, "unexplained": [], "leftover": [],
-                                        "failure": None, "round": 0, "log": ""}], {"equal": True, "tensors": 1})
+        return faults, _summary(soak, faults)
 
     faults, summary = run(second_pair_killed=True)
     assert soak.buddies()[0] == 2 and soak.buddies()[1] == 3
@@ -191,8 +194,7 @@ def test_a_kill_within_a_step_of_a_fallback_is_counted_apart_not_as_an_unexpecte
     ]
     [fault] = soak.analyse(events, soak.buddies())
     assert fault["outcome"] == "checkpoint" and not fault["every_copy_taken"] and fault["no_copy_yet"], fault
-    summary = soak.summarise([{"faults": [fault], "memory": {}, "unexplained": [], "leftover": [],
-                               "failure": None, "round": 0, "log": ""}], {"equal": True, "tensors": 1})
+    summary = _summary(soak, [fault])
     assert not summary["unexpected_fallbacks"] and summary["no_copy_yet_fallbacks"] == [fault]
 
 
@@ -277,9 +279,7 @@ def test_memory_growth_is_reported_from_the_first_sample_and_after_the_warm_up()
     soak = _soak_module()
     samples = [[100.0, 1000, 3], [105.0, 1100, 3], [100.0 + soak.WARM_UP_SECONDS, 1120, 3], [160.0, 1142.4, 4]]
     quiet = [[100.0, 600, 3], [100.0 + soak.WARM_UP_SECONDS, 700, 3], [150.0, 900, 3]]
-    summary = soak.summarise([{"faults": [], "memory": {"7": samples, "8": [[100.0, 500, 3]], "9": quiet},
-                               "unexplained": [], "leftover": [], "failure": None, "round": 0, "log": ""}],
-                             {"equal": True, "tensors": 1})
+    summary = _summary(soak, [], {"7": samples, "8": [[100.0, 500, 3]], "9": quiet})
     assert abs(summary["memory_growth_max"] - 0.5) < 1e-9 and summary["workers_measured"] == 2
     assert abs(summary["memory_growth_after_warm_up_max"] - 0.02) < 1e-9
     assert summary["workers_measured_after_warm_up"] == 1
