@@ -31,7 +31,8 @@ Reported, per fault (a sequence of two counts as one):
   its first sample and, across recoveries, from its first sample
   ``WARM_UP_SECONDS`` after that one to its last, where a recovery ended
   between the two (what a starting worker settles into is not a leak:
-  ``bench/memory_drift.py``);
+  ``bench/memory_drift.py``), leaving out the first sample after each
+  recovery (a survivor still rebuilding what its abort released);
 - processes left behind after each round; the final parameters against the
   fault-free run's;
 - where an epoch stalled (no member joined it 4 s after its plan: with its
@@ -123,9 +124,10 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
     leftover = job.leftover_processes()
     events = job.events()
     timed_out = f"the round did not end within --round-timeout {args.round_timeout:.0f}s" if None in codes else None
+    live = {"codes": codes, "leftover": leftover, "memory": {str(pid): samples for pid, samples in memory.items()}}
+    (job.dir / LIVE).write_text(json.dumps(live))  # what a reanalysis cannot read from the event log
     return round_result(index, events, job.dir, spec=fault_spec(args, index), steps=total_steps, codes=codes,
-                        leftover=leftover, memory={str(pid): samples for pid, samples in memory.items()},
-                        timed_out=timed_out)
+                        leftover=leftover, memory=live["memory"], timed_out=timed_out)
 
 
 # A worker's warm-up: bench/memory_drift.py, the soak's job with no fault, grows 7-9% in the
@@ -134,6 +136,7 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
 # after its first: what recoveries add, not what a starting worker settles into.
 WARM_UP_SECONDS = 12.0
 MEMORY_SAMPLE_SECONDS = 2.0
+LIVE = "live.json"  # a round's samples of what only a live round can measure (memory, processes left)
 STALL_SECONDS = 4.0  # a plan that old whose epoch no member joined: the round dumps every worker's stacks
 
 
@@ -175,8 +178,9 @@ def round_result(index: int, events: List[dict], folder: Path, *, spec: Optional
 
 def reread_rounds(workdir: Path) -> tuple:
     """(rounds, total steps) of a soak kept in ``workdir`` (``--keep``), from each round's
-    event log: what ``run_round`` returns, less what it sampled live (workers' memory,
-    processes left behind, the agents' exit codes: None, not measured)."""
+    event log: what ``run_round`` returns, with what it sampled live (workers' memory,
+    processes left behind, the agents' exit codes) from its ``LIVE`` file where it kept
+    one (else None: not measured)."""
     from peerstate.control.timeline import read_events
 
     rounds, steps = [], 0
@@ -192,8 +196,9 @@ def reread_rounds(workdir: Path) -> tuple:
             done = re.findall(r"^rank 0 step (\d+)", "".join(
                 p.read_text(errors="replace") for p in (folder / "logs").glob("n*.log")), re.M)
             steps = max(map(int, done)) + 1
-        rounds.append(round_result(len(rounds), events, folder, spec=spec, steps=steps, codes=None, leftover=None,
-                                   memory={}))
+        live = json.loads((folder / LIVE).read_text()) if (folder / LIVE).exists() else {}
+        rounds.append(round_result(len(rounds), events, folder, spec=spec, steps=steps, codes=live.get("codes"),
+                                   leftover=live.get("leftover"), memory=live.get("memory", {})))
     return rounds, steps
 
 
@@ -340,8 +345,12 @@ def summarise(rounds: List[dict], check: dict) -> dict:
         for samples in r["memory"].values():
             if len(samples) >= 2:
                 growth.append(samples[-1][1] / samples[0][1] - 1)
-            # Across recoveries: a recovery ended between the two samples it is measured from.
-            after = [(rss, recoveries) for t, rss, recoveries in samples if t >= samples[0][0] + WARM_UP_SECONDS]
+            # Across recoveries: a recovery ended between the two samples it is measured from. Not
+            # from a sample just after a recovery (the first with its count): a survivor is then
+            # part way through rebuilding what the abort released (3-5% below its level for a
+            # moment, as the soak of 2026-12-03 showed), which reads as growth at the next sample.
+            after = [(rss, recoveries) for (t, rss, recoveries), before in zip(samples, [None, *samples])
+                     if t >= samples[0][0] + WARM_UP_SECONDS and (before is None or recoveries == before[2])]
             if len(after) >= 2 and after[-1][1] > after[0][1]:
                 settled.append(after[-1][0] / after[0][0] - 1)
     by_outcome: Dict[str, int] = {}
@@ -395,8 +404,9 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", default=None, help="a folder for the logs (default: a temporary one)")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--reanalyse", action="store_true",
-                        help="analyse the rounds kept in --keep again, from their event logs, and run the reference "
-                             "(workers' memory and processes left behind were sampled live: not measured then)")
+                        help="analyse the rounds kept in --keep again, from their event logs and what each round "
+                             "sampled live (workers' memory, processes left behind: its live.json, where kept), and "
+                             "run the reference")
     args = parser.parse_args(argv)
     # A SIGTERM runs the finally blocks, as Ctrl-C does: the round's job and etcd stop with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
