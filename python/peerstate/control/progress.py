@@ -31,13 +31,13 @@ FINISHED = -2  # the step word once the worker has finished: it is no longer wat
 # --hang-timeout: torch's setup collectives (DDP's parameter check, a group's connect)
 # hold the GIL while they wait for a slower peer, which stops a healthy worker's
 # ticker thread; those phases are bounded by their own timeouts. The liveness count
-# is bounded by --hang-timeout in every phase: nothing healthy stops it.
+# is bounded by --freeze-timeout in every phase: nothing healthy stops it.
 SETUP = -3
 # The step word once a worker closed its job without finishing its loop (an error left
 # it): the interpreter's teardown with torch loaded takes a second or more after the
 # Python heartbeat stops, so its exit is bounded by --join-timeout, not --hang-timeout
 # (a worker exiting on an exception was killed as hung, hiding how it ended). The
-# liveness count still bounds a frozen one by --hang-timeout.
+# liveness count still bounds a frozen one by --freeze-timeout.
 EXITING = -4
 _LIVENESS_OFFSET = 16
 # How often both tickers bump their counts. A native thread that only sleeps and stores
