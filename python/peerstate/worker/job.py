@@ -118,9 +118,10 @@ class Job:
             timeout, said on stderr (``regroup``). And a gloo group is created
             under ``min(abort_timeout / 10, FORM_CONNECT_TIMEOUT)`` (2 s) at the
             start and under 0.5 s at most in a recovery
-            (``RECOVERY_CONNECT_TIMEOUT``): a member that dies inside the
-            re-forming holds the others up to five times that (gloo's connect
-            wait); a formation that times out with no member lost
+            (``RECOVERY_CONNECT_TIMEOUT``): a member that is late holds the
+            others up to five times that (gloo's connect wait; one that died is
+            ended by the next epoch's abort); a formation that times out with
+            no member lost
             (one was late) makes the same members form it again in a new epoch
             (``EpochJoiner._form``).
         data_parallel_shares: with ``track(data_parallel=...)``, how many shares the

@@ -33,10 +33,11 @@ from peerstate.worker.tracked_state import TrackedState
 
 # A gloo group of an epoch is created under this timeout at most (Job: the smaller of it and
 # abort_timeout / 10). The members reach the formation together, after the join's barrier,
-# and forming takes milliseconds; a member that dies in it holds the others up to five
-# times this (gloo's connect wait for a peer that was to connect to it, which nothing can
-# end: see process_groups). The soak met that wait at abort_timeout / 10 = 6 s: 30 s with
-# no step.
+# and forming takes milliseconds; a member that dies in it holds the others until the
+# epoch that replaces it aborts the formation (the abort ends gloo's wait for a peer that
+# was to connect: see process_groups), or five times this if no epoch does (a member that
+# is late, not lost). Before that abort, the soak met this wait at abort_timeout / 10 =
+# 6 s: 30 s with no step; then at RECOVERY_CONNECT_TIMEOUT, 2.5 s.
 FORM_CONNECT_TIMEOUT = 2.0
 # A recovery's formation starts under this one instead: a member killed in the middle of it
 # (a second kill during a recovery) held the others 10 s under FORM_CONNECT_TIMEOUT, with

@@ -28,18 +28,28 @@ Aborting, so that a training loop blocked in a collective fails at once:
   same way, so ``init_process_group`` fails at once instead of waiting out the
   store's timeout.
 
-One gloo rendezvous step no abort can wake: a member that published its
+One gloo rendezvous step no socket shutdown can wake: a member that published its
 address and died before connecting. gloo picks one side of each pair to
 connect (by address order); the other waits for it in
-``Pair::waitUntilConnected`` for five times the group's timeout, and nothing
-can end that wait (there is no socket yet to shut down). So a gloo group is
-created under a connect timeout (form()'s, ``connect_timeout`` by default) and
-given its real timeout once formed. That
+``Pair::waitUntilConnected`` for five times the group's timeout, and there is
+no socket yet to shut down. What the waiting side waits for is a connection to
+its own listener that writes the sequence number the pair expects: the
+connecting peer's rank in the group (gloo's ``GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER``
+contract; without it, the pair's index in a listener created for that group,
+the same number). So an abort during a rendezvous connects to each listener
+the rendezvous opened and writes every rank's number, then closes: each wait
+for a dead peer ends with a pair whose peer hung up, and the rendezvous fails
+or forms a group that form() then refuses (AbortedError). Pairs already
+connected keep theirs: gloo parks a connection nobody waits for until the
+group's teardown. Listeners are recognised by inode, as the connected sockets
+are: sockets opened since form() began that accept connections.
+The connect timeout remains the bound when no abort comes (a member that is
+late rather than dead): a gloo group is created under it (form()'s,
+``connect_timeout`` by default) and given its real timeout once formed. That
 is safe because form() is only called when every member has reported for the
 epoch (``Job``'s join is a barrier): the members reach it together, and
-forming takes milliseconds; a member that dies in between costs the others
-at most five times the connect timeout, and one that comes late makes the
-others regroup (``EpochJoiner._form``, which also picks the connect timeout).
+forming takes milliseconds; one that comes late makes the others regroup
+(``EpochJoiner._form``, which also picks the connect timeout).
 
 One gloo collective no abort can wake: a send still being written when its
 peer dies. gloo's tcp transport keeps a partly written send in the pair's
@@ -124,8 +134,9 @@ class ProcessGroups:
         options set their own timeout keep it. None: the ``timeout`` given to form().
 
         ``connect_timeout``: the timeout the groups of form() are created under; a pair
-        whose peer died mid-rendezvous waits five times this. Only for members that
-        reach form() together (see the module docstring). None: form()'s ``timeout``."""
+        whose peer died mid-rendezvous waits five times this unless an abort ends it.
+        Only for members that reach form() together (see the module docstring).
+        None: form()'s ``timeout``."""
         self.backend = backend
         self.default_collective_timeout = collective_timeout
         self.collective_timeout = collective_timeout  # this epoch's: a regroup's plan raises it
@@ -135,6 +146,8 @@ class ProcessGroups:
         self._formed: Set[Any] = set()      # the ProcessGroup objects formed here this epoch
         self._sockets: Set[str] = set()
         self._forming: Set[str] = set()   # the rendezvous connection while form() runs
+        self._forming_since: Optional[Set[str]] = None  # the sockets open before form() began, while it runs
+        self._forming_size = 0
         self._rendezvous: Any = None       # the rendezvous store while form() runs
         self._abort_epoch = -1             # the newest epoch that asked for an abort
         self._lock = threading.Lock()
@@ -143,9 +156,9 @@ class ProcessGroups:
              connect_timeout: Optional[float] = None) -> None:
         """Join the epoch's group through the job's store ``kv`` (a KeyValueStore; blocks
         until every rank joins, ``timeout``, or an abort for a newer epoch: then
-        AbortedError). With gloo, a member that dies in the rendezvous can hold it up to
-        five times the connect timeout past the abort: ``connect_timeout``, or the
-        one this object was made with."""
+        AbortedError). With gloo, a member that dies in the rendezvous holds it up to
+        five times the connect timeout (``connect_timeout``, or the one this object
+        was made with) unless an abort ends it."""
         import torch.distributed as dist
 
         self.destroy()
@@ -156,6 +169,7 @@ class ProcessGroups:
                 raise AbortedError(f"epoch {self._abort_epoch} began before the group of epoch {epoch} formed")
             self._forming = _socket_inodes() - before  # a TCPStore clone's connection, shut by an abort
             self._rendezvous = rendezvous              # an etcd one is interrupted instead
+            self._forming_since, self._forming_size = before, world_size
         # torch names the default group after a per-process counter, reset only when a
         # formed group is destroyed: a rendezvous aborted part way leaves it counted up,
         # and this rank would then wait under another name than a fresh spare's.
@@ -172,14 +186,16 @@ class ProcessGroups:
                 self._form_declared(declared, timeout, connect)
         except Exception as error:  # noqa: BLE001 - torch raises several types for a missed rendezvous
             with self._lock:
-                self._forming, self._rendezvous = set(), None
+                self._forming, self._rendezvous, self._forming_since = set(), None, None
                 if self._abort_epoch > epoch:
                     raise AbortedError(f"epoch {self._abort_epoch} began while the group of epoch {epoch} "
                                        "formed") from None
             raise PeerstateTimeoutError(
                 f"forming the process group of epoch {epoch} failed within {timeout:.0f}s: {error}") from None
         with self._lock:
-            self._forming, self._rendezvous = set(), None
+            self._forming, self._rendezvous, self._forming_since = set(), None, None
+            if self._abort_epoch > epoch:  # its waits for a dead peer were ended by hand (abort())
+                raise AbortedError(f"epoch {self._abort_epoch} began while the group of epoch {epoch} formed")
             self.epoch = epoch
             self._sockets = _socket_inodes() - before if self.backend == "gloo" else set()
             self._formed = set(dist.distributed_c10d._world.pg_names)
@@ -264,6 +280,8 @@ class ProcessGroups:
             self._abort_epoch = max(self._abort_epoch, new_epoch)
             if self._forming:
                 _shutdown(self._forming)
+            if self._forming_since is not None and self.backend == "gloo":
+                _end_connect_waits(self._forming_since, self._forming_size)
             if hasattr(self._rendezvous, "interrupt"):
                 self._rendezvous.interrupt()
             if self.epoch is None:
@@ -348,6 +366,39 @@ def release_default_group() -> None:
     import torch.distributed as dist
 
     dist.init_process_group = getattr(dist.init_process_group, "__wrapped_by_peerstate__", dist.init_process_group)
+
+
+def _end_connect_waits(before: Set[str], size: int) -> None:
+    """Connect to every listening socket opened since ``before`` and write each of the
+    sequence numbers 0..``size``-1 (gloo's ``sequence_number_t``, native order), then
+    hang up: the pairs of a gloo rendezvous waiting for a dead peer to connect stop
+    waiting (see the module docstring). Never blocks long: local connections, each
+    bounded by a second."""
+    import struct
+
+    for fd, inode in _open_sockets():
+        if inode in before:
+            continue
+        try:
+            listener = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            if not listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            family, address = listener.family, listener.getsockname()
+        except OSError:
+            continue
+        finally:
+            listener.close()  # the dup only
+        for sequence in range(size):
+            try:
+                with socket.socket(family, socket.SOCK_STREAM) as hangup:
+                    hangup.settimeout(1.0)
+                    hangup.connect(address)
+                    hangup.sendall(struct.pack("=q", sequence))
+            except OSError:
+                break  # the listener closed meanwhile: its rendezvous failed already
 
 
 def _shutdown(inodes: Set[str]) -> None:
