@@ -10,8 +10,8 @@ lease alive and watches the next nodes' on a ring (``leases``), writes
 recovery plans (through the Coordinator) when it sees a failure, relays the
 recovery protocol between its workers and the job's store through a node
 channel it hosts on loopback (``NodeRelay``; as an epoch's owner it writes
-every node's instructions), refills its spare pool, and never restarts a
-healthy worker. It exits 0 when every rank finished, and otherwise non-zero
+every node's instructions), refills its spare pool, lands the faults of
+``--inject`` (``fault_delivery``), and never restarts a healthy worker. It exits 0 when every rank finished, and otherwise non-zero
 with a one-paragraph summary.
 
 Worker names are ``n{node}.{k}``: the first ``nproc_per_node`` are the initial
@@ -40,9 +40,10 @@ from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
 from peerstate.control.progress import ProgressCounter
 from peerstate.control.timeline import EventLog
 from peerstate.errors import InvalidArgumentError, JobFailedError, StoreUnavailableError
-from peerstate.launcher.inject import Fault, FaultInjector
+from peerstate.launcher.inject import FaultInjector
 from peerstate.control.leases import LeaseWatch
 from peerstate.launcher.config import AgentConfig
+from peerstate.launcher.fault_delivery import FaultDelivery
 from peerstate.launcher.fork_server import ForkServer
 from peerstate.launcher.processes import HANG_CAUSES, HANG_HELD, WorkerProcess, describe_exit, die_with_parent, log_tail
 from peerstate.launcher.stopped_workers import StoppedWorkers
@@ -70,9 +71,9 @@ class Agent:
         self._progress_dir = Path("/dev/shm" if os.path.isdir("/dev/shm") else self.log_dir)
         self._reporting = threading.Lock()
         self._stopping = False
+        # A bad --inject spec fails here, before anything starts.
         self.injector = FaultInjector(config.inject, world_size=self.world_size, nnodes=config.nnodes,
                                       node=self.node)
-        self._job_started: Optional[float] = None
         self._spares_wanted = 0
         self._spare_start_failures = 0  # spares in a row whose script failed before they were ready
         self._dying: list = []  # failed workers (Popen, ForkedProcess) whose exit has not completed yet
@@ -135,6 +136,7 @@ class Agent:
         self.coordinator.start(self.name)
         self._start_relay()
         self.stopped = StoppedWorkers(self.channel, self.events)
+        self.faults = FaultDelivery(self.injector, self.kv, self.name, self.events)
         self.events.write("agent_started", node=self.node, store=self.store_address)
 
     def _start_relay(self) -> None:
@@ -241,8 +243,7 @@ class Agent:
                 self._report([w for w, _, _ in failed], "; ".join(r for _, r, _ in failed),
                              min(t for _, _, t in failed))
             self._dying = [popen for popen in self._dying if popen.poll() is None]
-            if self.injector.faults:
-                self._inject()
+            self.faults.deliver(self.processes)
             now = time.monotonic()
             if now >= next_watch:
                 next_watch = now + WATCH_SECONDS
@@ -276,29 +277,6 @@ class Agent:
             if all(flags[i] or flags[len(nodes) + i] for i in range(len(nodes))):
                 return
             time.sleep(0.02)
-
-    def _inject(self) -> None:
-        workers = {p.rank: p for p in self.processes.values() if p.rank is not None and not p.hung}
-        if self._job_started is None:
-            raw = self.kv.get(keys.JOB_STARTED)
-            self._job_started = float(raw) if raw else None
-        since = time.time() - self._job_started if self._job_started else None
-        spares = [p for p in self.processes.values() if p.rank is None and not p.claimed and p.ready]
-        for fault in self.injector.due({r: p.counter.read()[1] for r, p in workers.items()}, since, len(spares)):
-            if self.kv.compare_set(keys.injected(fault.index), b"", self.name.encode()) != self.name.encode():
-                continue  # injected already, on the node that held the rank then
-            self._fault(fault, spares[0] if fault.kind == "kill-spare" else workers.get(fault.rank))
-
-    def _fault(self, fault: Fault, victim: Optional[WorkerProcess]) -> None:
-        self.events.write("fault_injected", fault=fault.describe(), kind=fault.kind, rank=fault.rank, node=fault.node,
-                          scenario=fault.scenario, scenario_kind=fault.scenario_kind,
-                          worker=victim.worker if victim is not None else None)
-        print(f"peerstate: injecting {fault.describe()}", file=sys.stderr, flush=True)
-        if fault.kind == "kill-node":  # everything this agent runs, then the agent itself
-            for process in self.processes.values():
-                os.killpg(process.popen.pid, signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
-        os.killpg(victim.popen.pid, signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
 
     def _live_workers(self) -> List[WorkerProcess]:
         return [p for p in self.processes.values() if p.rank is not None and p.popen.poll() is None]

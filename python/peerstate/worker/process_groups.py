@@ -147,7 +147,7 @@ class ProcessGroups:
         self._sockets: Set[str] = set()
         self._forming: Set[str] = set()   # the rendezvous connection while form() runs
         self._forming_since: Optional[Set[str]] = None  # the sockets open before form() began, while it runs
-        self._forming_size = 0
+        self._forming_size, self._forming_epoch = 0, -1
         self._rendezvous: Any = None       # the rendezvous store while form() runs
         self._abort_epoch = -1             # the newest epoch that asked for an abort
         self._lock = threading.Lock()
@@ -169,7 +169,7 @@ class ProcessGroups:
                 raise AbortedError(f"epoch {self._abort_epoch} began before the group of epoch {epoch} formed")
             self._forming = _socket_inodes() - before  # a TCPStore clone's connection, shut by an abort
             self._rendezvous = rendezvous              # an etcd one is interrupted instead
-            self._forming_since, self._forming_size = before, world_size
+            self._forming_since, self._forming_size, self._forming_epoch = before, world_size, epoch
         # torch names the default group after a per-process counter, reset only when a
         # formed group is destroyed: a rendezvous aborted part way leaves it counted up,
         # and this rank would then wait under another name than a fresh spare's.
@@ -280,7 +280,7 @@ class ProcessGroups:
             self._abort_epoch = max(self._abort_epoch, new_epoch)
             if self._forming:
                 _shutdown(self._forming)
-            if self._forming_since is not None and self.backend == "gloo":
+            if self._forming_since is not None and self.backend == "gloo" and new_epoch > self._forming_epoch:
                 _end_connect_waits(self._forming_since, self._forming_size)
             if hasattr(self._rendezvous, "interrupt"):
                 self._rendezvous.interrupt()
