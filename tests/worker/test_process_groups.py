@@ -174,6 +174,65 @@ os.kill(os.getpid(), 19)  # SIGSTOP: from now on it reads nothing""") as peer:
             timed.destroy()
 
 
+def _loopback_bytes() -> int:
+    with open("/proc/net/dev") as counters:
+        for line in counters:
+            if line.strip().startswith("lo:"):
+                return int(line.split(":")[1].split()[0])
+    raise AssertionError("no loopback counters")
+
+
+def test_a_receive_part_read_when_its_peer_dies_waits_out_its_timeout_whatever_is_shut_down(groups):
+    # Pins the receiving side of the same gloo behaviour, met in the soak (a node lost
+    # while a survivor's DDP bucket arrived from it: 30 s). A pair reading a message
+    # holds the receive it reads into apart from its pending ones (rx_.ubuf), and
+    # Pair::signalException, on the peer's end of stream, wakes only the pending ones:
+    # the receive part read waits in UnboundBuffer::waitRecv for its timeout, though
+    # the pair failed and the abort shut its socket down. DDP's reductions are ended
+    # by failing the futures DDP waits on instead (rebuild.PendingReductions). If this
+    # fails, gloo wakes that receive now.
+    import os
+    import signal
+    import threading
+    import time
+
+    kv, _ = groups
+    timed = ProcessGroups("gloo", connect_timeout=3.0)  # a receive waits its gloo context's timeout: this one
+    with _peer(kv, 0, """
+print("sending", flush=True)
+dist.send(torch.ones(64 << 20), dst=0)  # 256 MiB""") as peer:
+        try:
+            timed.form(kv, 0, rank=0, world_size=2, timeout=30)
+            outcome = {}
+
+            def receive():
+                try:
+                    dist.recv(torch.empty(64 << 20), src=1)
+                    outcome["received"] = time.monotonic()
+                except RuntimeError as error:
+                    outcome["error"], outcome["at"] = str(error), time.monotonic()
+
+            receiver = threading.Thread(target=receive)
+            before = _loopback_bytes()
+            receiver.start()
+            assert peer.stdout.readline().strip() == "sending"
+            deadline = time.monotonic() + 20
+            while _loopback_bytes() - before < 32 << 20:  # an eighth of the message in
+                assert time.monotonic() < deadline, "the message did not start"
+                time.sleep(0.0005)
+            os.kill(peer.pid, signal.SIGKILL)  # its end of stream comes after what it wrote
+            killed = time.monotonic()
+            peer.wait()
+            time.sleep(0.2)  # the pair has read the end of stream
+            timed.abort(1)
+            receiver.join(30)
+            assert "error" in outcome, f"the whole message arrived before the kill: {outcome}"
+            assert "recv operation to complete" in outcome["error"], outcome["error"]
+            assert outcome["at"] - killed > 2.5, "the receive was woken: gloo fixed Pair::signalException"
+        finally:
+            timed.destroy()
+
+
 # Rank 1 of the group: forms through a store that, once gloo has published this
 # process's address, exits, before it connects anything. The address it publishes
 # says 127.0.0.2: gloo lets the side with the larger address connect, so rank 0

@@ -73,3 +73,68 @@ def test_a_released_ddp_leaves_no_hook_that_fires_into_the_aborted_group(epochs)
     epochs(1)  # the old group is gone: a reducer hook firing now would fail
     model(torch.ones(2, 4)).sum().backward()
     assert ddp.bucket_layout() == layout
+
+
+# Rank 1 of a 2-rank gloo group: the same DDP as the test's, which then freezes
+# before its backward, so that the test's bucket reduction waits for it.
+_FROZEN_PEER = """
+import os, signal, sys, torch
+from peerstate.control.kvstore import TorchKeyValueStore
+from peerstate.worker.process_groups import ProcessGroups
+from peerstate.worker.rebuild import new_rebuildable_ddp
+kv = TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=30)
+groups = ProcessGroups("gloo", collective_timeout=20)
+groups.form(kv, 1, rank=1, world_size=2, timeout=30)
+ddp = new_rebuildable_ddp(torch.nn.Linear(4, 2), init_sync=True, options={})
+print("ready", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_an_abort_ends_a_backward_whose_bucket_reduction_nothing_else_ends(monkeypatch):
+    # Seen in the soak: a node lost while a survivor's DDP bucket was part way through
+    # arriving from it. gloo fails the pair but does not wake the receive it was reading
+    # into (test_process_groups shows it), so the reduction, and DDP's backward with it,
+    # waited out the group's timeout (30 s) whatever the abort shut down. Here the
+    # reduction waits for a frozen peer and nothing is shut down: only the abort of the
+    # reductions DDP waits for can end the backward (20 s without it), and the groups
+    # are then torn down without waiting for the reduction still running in gloo.
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    kv = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=30)
+    groups = ProcessGroups("gloo", collective_timeout=20)
+    peer = subprocess.Popen([sys.executable, "-c", _FROZEN_PEER, str(kv.port)], stdout=subprocess.PIPE, text=True)
+    try:
+        groups.form(kv, 1, rank=0, world_size=2, timeout=60)
+        ddp = new_rebuildable_ddp(torch.nn.Linear(4, 2), init_sync=True, options={})
+        assert peer.stdout.readline().strip() == "ready"
+        outcome = []
+
+        def backward():
+            try:
+                _backward(ddp)
+                outcome.append("finished")
+            except RuntimeError as error:
+                outcome.append(str(error))
+
+        loop = threading.Thread(target=backward)
+        loop.start()
+        loop.join(timeout=1.0)
+        assert loop.is_alive() and not outcome  # waiting for the frozen peer
+        aborted = time.monotonic()
+        ddp.abort_reductions()
+        loop.join(timeout=30)
+        assert time.monotonic() - aborted < 1.0  # not the group's 20 s
+        assert "aborted" in outcome[0]
+        started = time.monotonic()
+        ddp.release()
+        groups.destroy()
+        assert time.monotonic() - started < 2.0  # the reduction gloo still runs is not waited for
+    finally:
+        peer.kill()
+        peer.wait()
+        groups.destroy()

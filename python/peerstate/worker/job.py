@@ -194,7 +194,7 @@ class Job:
         self.joiner = EpochJoiner(self.membership, self.kv, self.channel, self.coordinator, self.groups, self.tracked,
                                   self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,
                                   self.placement, self.regroup, env.world_size, join_timeout, failure_grace)
-        self.aborts = AbortHandler(self.membership, [self.groups.abort, self._abort_transfers,
+        self.aborts = AbortHandler(self.membership, [self.groups.abort, self.wrappers.abort, self._abort_transfers,
                                                      self.boundary.on_new_epoch], self.events,
                                    abort_timeout, on_abort=self.report.marks.clear)
         self.replication: Optional[Replication] = None

@@ -51,7 +51,14 @@ epoch (``Job``'s join is a barrier): the members reach it together, and
 forming takes milliseconds; one that comes late makes the others regroup
 (``EpochJoiner._form``, which also picks the connect timeout).
 
-One gloo collective no abort can wake: a send still being written when its
+Two gloo operations no socket shutdown can wake. The receiving one: a
+receive part way through a message when its peer dies. The pair reading it
+holds it apart from its pending receives, and ``Pair::signalException`` wakes
+only those; the receive waits in ``UnboundBuffer::waitRecv`` for its timeout
+(seen in the soak: a node lost while a survivor's DDP bucket arrived from it).
+DDP's reductions are ended by failing the futures DDP waits on instead
+(``rebuild.PendingReductions``); other calls wait for the collective timeout
+below. The sending one: a send still being written when its
 peer dies. gloo's tcp transport keeps a partly written send in the pair's
 transmit queue. A write that meets EPIPE or ECONNRESET is not an error there,
 and when the pair then fails on a read, ``Pair::signalException`` wakes the

@@ -5,10 +5,12 @@ FSDP2 modules reset onto the re-formed group."""
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional, Tuple
+import threading
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
+from peerstate.errors import AbortedError
 
 
 class RebuildableDDP:
@@ -21,7 +23,10 @@ class RebuildableDDP:
     A rebuild runs DDP's constructor again on the same object. What the script
     changed survives it: ``require_backward_grad_sync`` and
     ``require_forward_param_sync`` (``no_sync()``, or set directly), ``train()`` /
-    ``eval()``, the comm hooks it registered, and attributes of its own.
+    ``eval()``, the comm hook it registered, and attributes of its own. DDP
+    reduces through a comm hook of peerstate's that runs the script's hook (or
+    DDP's own scale-and-sum) and lets an abort fail what DDP waits for
+    (``PendingReductions``); the script registers its hook as usual, once.
 
     Why the bucket layout is carried over: a fresh DDP reduces its first
     iteration in buckets laid out in parameter order and only then re-buckets
@@ -37,7 +42,8 @@ class RebuildableDDP:
     def __init__(self, module: Any, init_sync: bool, options: Dict[str, Any],
                  layout: Optional[List[List[int]]] = None) -> None:
         object.__setattr__(self, "_peerstate", {"module": module, "options": options, "layout": None,
-                                                "released": False, "own_hooks": 0})
+                                                "released": False, "script_hook": None, "abortable": False,
+                                                "reductions": PendingReductions()})
         self.rebuild(init_sync, layout)
 
     def rebuild(self, init_sync: bool = False, layout: Optional[List[List[int]]] = None) -> None:
@@ -48,7 +54,6 @@ class RebuildableDDP:
         if "reducer" in self.__dict__:
             self.release()  # the old reducer's hooks must not stay beside the new one's
         kept = {name: self.__dict__[name] for name in self.CARRIED if name in self.__dict__}
-        hooks = list(self.__dict__.get("_comm_hooks", []))[built["own_hooks"]:]  # the script's
         compute = dist._compute_bucket_assignment_by_size
         if layout:
             def settled(params: Any, limits: List[int], *args: Any, **kwargs: Any) -> Tuple[list, list]:
@@ -61,10 +66,47 @@ class RebuildableDDP:
             DistributedDataParallel.__init__(self, built["module"], init_sync=init_sync, **built["options"])
         finally:
             dist._compute_bucket_assignment_by_size = compute
-        built.update(layout=layout, released=False, own_hooks=len(self._comm_hooks))
+        built.update(layout=layout, released=False)
+        built["reductions"].reset()
         self.__dict__.update(kept)
-        for hook, state in hooks:
-            self.register_comm_hook(state, hook)
+        # DDP takes one comm hook: ours, which runs the script's (or DDP's allreduce) and
+        # hands DDP a future an abort can fail. Where DDP registered one itself (its
+        # mixed precision), the script's goes beside it as DDP allows, and an abort
+        # cannot end a reduction that gloo leaves waiting (see PendingReductions).
+        built["abortable"] = not self._comm_hooks
+        if built["abortable"]:
+            DistributedDataParallel.register_comm_hook(self, None, self._abortable_reduction)
+        if built["script_hook"] is not None:
+            self.register_comm_hook(*built["script_hook"])
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """DDP's ``register_comm_hook``: the hook runs in every epoch, its future
+        wrapped so that an abort fails it (see ``PendingReductions``)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        built = self._peerstate
+        if not built["abortable"]:
+            DistributedDataParallel.register_comm_hook(self, state, hook)
+            built["script_hook"] = (state, hook)
+            return
+        if built["script_hook"] is not None and built["script_hook"] != (state, hook):
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._check_comm_hook(hook)
+        built["script_hook"] = (state, hook)
+
+    def _abortable_reduction(self, state, bucket):  # noqa: ANN001 - DDP checks the annotations it finds
+        """The comm hook DDP runs for each bucket (``state`` is unused)."""
+        script = self._peerstate["script_hook"]
+        if script is not None:
+            reduced = script[1](script[0], bucket)
+        else:
+            reduced = _allreduce_mean(self.process_group, bucket)
+        return self._peerstate["reductions"].track(reduced)
+
+    def abort_reductions(self) -> None:
+        """Fail every bucket reduction DDP waits for now, and those it starts before
+        the next rebuild (any thread)."""
+        self._peerstate["reductions"].abort()
 
     def bucket_layout(self) -> Optional[List[List[int]]]:
         """The parameter indices of each bucket, as the DDP reduces them now."""
@@ -84,6 +126,69 @@ class RebuildableDDP:
             built["layout"] = self.bucket_layout()
             self.reducer._remove_autograd_hooks()
             built["released"] = True
+
+
+def _allreduce_mean(group: Any, bucket: Any) -> Any:
+    """What DDP does without a comm hook: scale by 1 / group size (a multiplication,
+    as DDP's reducer scales, so the bits are the same), then sum across the group."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / group.size())
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda done: done.value()[0])
+
+
+class PendingReductions:
+    """The futures a DDP waits on for its buckets' reductions, each standing for the
+    reduction's own, so that ``abort()`` can fail them. DDP's backward waits on them
+    in C++, where no socket shutdown reaches a gloo receive that was part way
+    through a message when its peer died, or a send part way written: gloo's tcp
+    pair, when it fails, wakes the operations still pending but not the ones in
+    progress, which then wait out the group's timeout (``process_groups``; pinned by
+    ``tests/worker/test_process_groups.py``). Failed
+    here, the backward raises at once; the reduction itself runs on in its group's
+    thread until that timeout, harmless in a group already aborted. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: Set[Any] = set()
+        self._aborted = False
+
+    def track(self, reduction: Any) -> Any:
+        """A future completed with ``reduction``'s result, or failed by ``abort()``."""
+        import torch
+
+        standing = torch.futures.Future()
+        with self._lock:
+            if self._aborted:
+                standing.set_exception(AbortedError("the group of this reduction was aborted"))
+                return standing
+            self._pending.add(standing)
+
+        def settle(done: Any) -> None:
+            with self._lock:
+                if standing not in self._pending:
+                    return  # failed by abort() already
+                self._pending.discard(standing)
+            try:
+                standing.set_result(done.value())
+            except Exception as error:  # noqa: BLE001 - the reduction's own failure, passed on
+                standing.set_exception(error)
+
+        reduction.add_done_callback(settle)
+        return standing
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            pending, self._pending = self._pending, set()
+        for standing in pending:  # outside the lock: DDP's callbacks run in here
+            standing.set_exception(AbortedError("the group of this reduction was aborted"))
+
+    def reset(self) -> None:
+        """A rebuilt DDP's reductions run in a new group."""
+        with self._lock:
+            self._aborted, self._pending = False, set()
 
 
 _CONCRETE: List[type] = []
@@ -133,6 +238,11 @@ class DistributedWrappers:
         if publish:
             for index, wrapper in enumerate(self.ddps):
                 self._kv.compare_set(keys.ddp_layout(epoch, index), b"", json.dumps(wrapper.bucket_layout()).encode())
+
+    def abort(self, new_epoch: int) -> None:
+        """Fail the bucket reductions every DDP waits for (an AbortHandler step)."""
+        for wrapper in list(self.ddps):
+            wrapper.abort_reductions()
 
     def rebuild(self) -> None:
         for wrapper in self.ddps:
