@@ -383,21 +383,14 @@ def _end_connect_waits(before: Set[str], size: int) -> None:
     bounded by a second."""
     import struct
 
-    for fd, inode in _open_sockets():
-        if inode in before:
-            continue
+    listeners = []
+    for sock in _duplicates(lambda inode: inode not in before):
         try:
-            listener = socket.socket(fileno=os.dup(fd))
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                listeners.append((sock.family, sock.getsockname()))
         except OSError:
-            continue  # closed meanwhile
-        try:
-            if not listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                continue
-            family, address = listener.family, listener.getsockname()
-        except OSError:
-            continue
-        finally:
-            listener.close()  # the dup only
+            pass  # closed meanwhile
+    for family, address in listeners:
         for sequence in range(size):
             try:
                 with socket.socket(family, socket.SOCK_STREAM) as hangup:
@@ -410,17 +403,25 @@ def _end_connect_waits(before: Set[str], size: int) -> None:
 
 def _shutdown(inodes: Set[str]) -> None:
     """shutdown(2) the connected sockets among ``inodes`` (listening ones are left alone)."""
+    for sock in _duplicates(lambda inode: inode in inodes):
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already shut down by the peer
+
+
+def _duplicates(wanted: Callable[[str], bool]) -> Iterator[socket.socket]:
+    """A duplicate of each socket of this process whose inode ``wanted`` accepts, closed
+    once the caller is done with it (the owner's descriptor stays valid)."""
     for fd, inode in _open_sockets():
-        if inode not in inodes:
+        if not wanted(inode):
             continue
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue  # closed meanwhile
         try:
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already shut down by the peer
+            yield sock
         finally:
-            sock.close()  # closes the dup only; the owner's descriptor stays valid
+            sock.close()
