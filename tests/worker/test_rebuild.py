@@ -138,3 +138,67 @@ def test_an_abort_ends_a_backward_whose_bucket_reduction_nothing_else_ends(monke
         peer.kill()
         peer.wait()
         groups.destroy()
+
+
+# One rank of the group of test_the_abortable_reduction_gives_ddps_own_gradients_bit_for_bit
+# (run as rank 0 by the test, and by each peer): a plain DDP and job.ddp()'s of the same
+# model take a step on the same rank-dependent batch; prints whether their gradients match.
+_TWIN_DDPS = """
+import sys, torch
+from torch.nn.parallel import DistributedDataParallel
+from peerstate.worker.rebuild import new_rebuildable_ddp
+
+def twin_gradients_equal(rank):
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    options = {"bucket_cap_mb": 0.02}  # a few buckets
+    twins = [DistributedDataParallel(model(), **options), new_rebuildable_ddp(model(), init_sync=True, options=options)]
+    torch.manual_seed(1 + rank)
+    batch = torch.randn(16, 64)
+    for step in range(3):  # the third after DDP's re-bucketing, which it logs by then
+        for ddp in twins:
+            for parameter in ddp.module.parameters():
+                parameter.grad = None
+            ddp(batch * (step + 1)).square().mean().backward()
+    pairs = list(zip(*(ddp.module.parameters() for ddp in twins)))
+    return len(twins[1].bucket_layout()), all(torch.equal(a.grad, b.grad) for a, b in pairs)
+
+if __name__ == "__main__":
+    from peerstate.control.kvstore import TorchKeyValueStore
+    from peerstate.worker.process_groups import ProcessGroups
+    rank = int(sys.argv[2])
+    groups = ProcessGroups("gloo", collective_timeout=20)
+    groups.form(TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=30), 1, rank=rank, world_size=3, timeout=30)
+    print(*twin_gradients_equal(rank), flush=True)
+    groups.destroy()
+"""
+
+
+def test_the_abortable_reduction_gives_ddps_own_gradients_bit_for_bit(monkeypatch):
+    # job.ddp()'s DDP reduces through peerstate's comm hook (scale by 1/3, then sum) where a
+    # plain DDP scales each gradient as it copies it into the bucket, then sums: the same
+    # multiplications and the same all_reduce, so the same bits (the bitwise resume
+    # depends on it only across peerstate's own runs; a script moving to job.ddp() from
+    # DDP keeps its numbers too).
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    kv = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=30)
+    groups = ProcessGroups("gloo", collective_timeout=20)
+    peers = [subprocess.Popen([sys.executable, "-c", _TWIN_DDPS, str(kv.port), str(rank)], stdout=subprocess.PIPE,
+                              text=True) for rank in (1, 2)]
+    try:
+        groups.form(kv, 1, rank=0, world_size=3, timeout=60)
+        namespace = {}
+        exec(_TWIN_DDPS, namespace)  # noqa: S102 - the peers' code, run here as rank 0
+        buckets, equal = namespace["twin_gradients_equal"](0)
+        answers = [peer.communicate(timeout=60)[0].split() for peer in peers]
+        assert buckets > 1
+        assert equal and answers == [[str(buckets), "True"]] * 2
+    finally:
+        for peer in peers:
+            peer.kill()
+            peer.wait()
+        groups.destroy()
