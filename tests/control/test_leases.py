@@ -1,6 +1,7 @@
 """Ring lease watching: which nodes an agent reads, and that every lost node is
 declared once, within the lease timeout, when neighbours die together. Over
-the in-memory store (the logic) and a real TCPStore (the request count)."""
+the in-memory store (the logic), a real TCPStore (the request count), and
+agent processes on a TCPStore, two of them killed together."""
 
 import pytest
 
@@ -107,3 +108,63 @@ def test_a_check_costs_a_few_store_requests_at_any_size():
         watch.check(4.2)  # both stood still past the timeout: their flags are read, both declared
         # leases; the two absent flags of each (a check of both, then one each); compare_set + append each
         assert kv.count.requests - before == 2 + 2 * 3 + 2 * 2
+
+
+# One node's agent as far as leases go, in a process of its own: it renews its lease and
+# checks its ring window every 0.1 s (the agent's watch tick), noting in the store each node
+# it declares lost and when.
+_LEASE_AGENT = """
+import sys, time
+from peerstate.control.coordinator import Coordinator
+from peerstate.control.kvstore import TorchKeyValueStore
+from peerstate.control.leases import LeaseWatch
+from peerstate.control import keys
+port, node, nnodes, timeout = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+kv = TorchKeyValueStore("127.0.0.1", port, timeout=30)
+watch = LeaseWatch(kv, Coordinator(kv), node, nnodes, timeout, f"agent{node}")
+while True:
+    kv.add(keys.node_lease(node), 1)
+    for lost, _ in watch.check(time.monotonic()):
+        kv.append("test/declared", f"{node}:{lost}:{time.time()!r},".encode())
+    time.sleep(0.1)
+"""
+
+
+def test_two_neighbouring_agents_killed_together_are_each_declared_once_by_a_live_one():
+    # The ring on a real store with real processes: agents 2 and 3 are SIGKILLed at
+    # once; agent 1 watches both, agent 0 watches 2 and then reaches on to 3. Each is
+    # declared exactly once, by a live agent, within the lease timeout plus a few
+    # checks, and no live agent is declared.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from peerstate.control.kvstore import TorchKeyValueStore
+
+    nnodes, timeout = 6, 1.0
+    kv = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=30)
+    agents = [subprocess.Popen([sys.executable, "-c", _LEASE_AGENT, str(kv.port), str(n), str(nnodes), str(timeout)])
+              for n in range(nnodes)]
+    try:
+        deadline = time.monotonic() + 60
+        while min(kv.add(keys.node_lease(n), 0) for n in range(nnodes)) < 5:  # every agent has seen every lease move
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents), "the agents did not start"
+            time.sleep(0.1)
+        killed_at = time.time()
+        for node in (2, 3):
+            agents[node].send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while kv.get(keys.node_dead(2)) is None or kv.get(keys.node_dead(3)) is None:
+            assert time.monotonic() < deadline, f"declared so far: {kv.get('test/declared')}"
+            time.sleep(0.1)
+        time.sleep(2 * timeout)  # long enough for a second declaration, or a live node's, to show
+        declared = [entry.split(":") for entry in kv.get("test/declared").decode().rstrip(",").split(",")]
+        assert sorted(int(lost) for _, lost, _ in declared) == [2, 3]
+        assert all(int(watcher) in (0, 1, 4, 5) for watcher, _, _ in declared)
+        assert all(float(at) - killed_at < timeout + 1.0 for _, _, at in declared)
+        assert sorted(kv.get(keys.DEAD_NODES).decode().rstrip(",").split(",")) == ["2", "3"]
+    finally:
+        for agent in agents:
+            agent.kill()
+            agent.wait()
