@@ -4,13 +4,14 @@
 (``worker/rebuild.py``: scale by 1 / group size, sum with an async all_reduce,
 and a future of its own that an abort can fail) where a plain DDP reduces in
 C++ with no Python per bucket. This bench measures the difference on the
-demo's GPT: ``--ranks`` processes on one gloo group (127.0.0.1), each with two
-copies of the same model, one in a plain ``DistributedDataParallel`` and one in
-peerstate's (``new_rebuildable_ddp``), stepped in alternating blocks (plain,
-peerstate, plain, ...) so that both see the same machine, with DDP's default
-buckets and with small ones (many buckets: the per-bucket cost times 30). Each
-peerstate block is compared with the plain blocks beside it (as
-``bench/overhead.py`` compares capture on and off). Before timing, both copies
+demo's GPT: ``--ranks`` processes on one gloo group (127.0.0.1), each with three
+copies of the same model: one in a plain ``DistributedDataParallel``, one in
+peerstate's (``new_rebuildable_ddp``), and one in a DDP with torch's own Python
+``allreduce_hook`` (the peer: what any comm hook costs). They are stepped in
+alternating blocks (plain, peerstate, plain, torch's hook, plain, ...) so that
+all see the same machine, with DDP's default buckets and with small ones (13
+buckets instead of 2). Each hooked block is compared with the plain blocks
+beside it (as ``bench/overhead.py`` compares capture on and off). Before timing, both copies
 take the same step on the same batches and their reduced gradients are
 compared bit for bit (the run stops if they differ).
 
@@ -89,13 +90,14 @@ def member(rank: int, world: int, port: int, blocks: int, block_steps: int) -> N
 
 
 def run(ranks: int, blocks: int, block_steps: int, timeout: float) -> str:
-    import torch.distributed as dist
+    from peerstate.control.kvstore import TorchKeyValueStore
 
-    store = dist.TCPStore("127.0.0.1", 0, ranks + 1, True, wait_for_workers=False)
+    store = TorchKeyValueStore("127.0.0.1", 0, host_store=True)  # listens on loopback only
     environment = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     members = [subprocess.Popen([sys.executable, __file__, "--member", str(rank), "--world", str(ranks),
                                  "--port", str(store.port), "--blocks", str(blocks), "--block-steps",
-                                 str(block_steps)], stdout=subprocess.PIPE, text=True, env=environment)
+                                 str(block_steps)], stdout=subprocess.PIPE if rank == 0 else None, text=True,
+                                env=environment)
                for rank in range(ranks)]
     try:
         output = members[0].communicate(timeout=timeout)[0]
