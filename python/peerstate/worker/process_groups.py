@@ -80,6 +80,7 @@ import datetime
 import functools
 import os
 import socket
+import struct
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
@@ -381,8 +382,6 @@ def _end_connect_waits(before: Set[str], size: int) -> None:
     hang up: the pairs of a gloo rendezvous waiting for a dead peer to connect stop
     waiting (see the module docstring). Never blocks long: local connections, each
     bounded by a second."""
-    import struct
-
     listeners = []
     for sock in _duplicates(lambda inode: inode not in before):
         try:

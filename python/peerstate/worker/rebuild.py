@@ -74,10 +74,10 @@ class RebuildableDDP:
         # mixed precision), the script's goes beside it as DDP allows, and an abort
         # cannot end a reduction that gloo leaves waiting (see PendingReductions).
         built["abortable"] = not self._comm_hooks
-        if built["abortable"]:
+        if built["abortable"]:  # the script's hook, if any, runs inside ours
             DistributedDataParallel.register_comm_hook(self, None, self._abortable_reduction)
-        if built["script_hook"] is not None:
-            self.register_comm_hook(*built["script_hook"])
+        elif built["script_hook"] is not None:
+            DistributedDataParallel.register_comm_hook(self, *built["script_hook"])
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
         """DDP's ``register_comm_hook``: the hook runs in every epoch, its future
