@@ -7,9 +7,34 @@
 
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 
 namespace peerstate {
+
+struct LivenessTicker::Tick {
+  Tick(void* map, size_t map_bytes, uint64_t* word, int interval_ms)
+      : map(map), map_bytes(map_bytes), word(word), interval_ms(interval_ms),
+        count(__atomic_load_n(word, __ATOMIC_RELAXED)) {}  // a restart counts on, never back
+  ~Tick() { ::munmap(map, map_bytes); }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex);
+    while (!wake.wait_for(lock, std::chrono::milliseconds(interval_ms), [this] { return stopping; })) {
+      __atomic_store_n(word, ++count, __ATOMIC_RELAXED);
+    }
+  }
+
+  void* const map;
+  const size_t map_bytes;
+  uint64_t* const word;
+  const int interval_ms;
+  uint64_t count;  // written by the thread only; read through the word
+  std::mutex mutex;
+  std::condition_variable wake;
+  bool stopping = false;
+};
 
 Status LivenessTicker::start(const std::string& path, size_t offset, int interval_ms,
                              std::unique_ptr<LivenessTicker>* out) {
@@ -39,37 +64,28 @@ Status LivenessTicker::start(const std::string& path, size_t offset, int interva
     return Status(StatusCode::kNotFound, "cannot map the progress file " + path + ": " + std::strerror(errno));
   }
   auto* word = reinterpret_cast<uint64_t*>(static_cast<unsigned char*>(map) + offset);
-  out->reset(new LivenessTicker(map, map_bytes, word, interval_ms));
+  out->reset(new LivenessTicker(std::make_shared<Tick>(map, map_bytes, word, interval_ms)));
   return Status();
 }
 
-LivenessTicker::LivenessTicker(void* map, size_t map_bytes, uint64_t* word, int interval_ms)
-    : map_(map), map_bytes_(map_bytes), word_(word), interval_ms_(interval_ms) {
-  count_ = __atomic_load_n(word_, __ATOMIC_RELAXED);  // a restart counts on, never back
-  thread_ = std::thread([this] { run(); });
+LivenessTicker::LivenessTicker(std::shared_ptr<Tick> tick) : tick_(std::move(tick)) {
+  thread_ = std::thread([tick = tick_] { tick->run(); });
 }
 
 LivenessTicker::~LivenessTicker() {
-  stop();
-  ::munmap(map_, map_bytes_);
+  if (thread_.joinable()) thread_.detach();  // the thread keeps its Tick: ticks until the process ends
 }
 
 void LivenessTicker::stop() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(tick_->mutex);
+    if (tick_->stopping) return;
+    tick_->stopping = true;
   }
-  wake_.notify_all();
+  tick_->wake.notify_all();
   if (thread_.joinable()) thread_.join();
 }
 
-uint64_t LivenessTicker::count() const { return __atomic_load_n(word_, __ATOMIC_RELAXED); }
-
-void LivenessTicker::run() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (!wake_.wait_for(lock, std::chrono::milliseconds(interval_ms_), [this] { return stopping_; })) {
-    __atomic_store_n(word_, ++count_, __ATOMIC_RELAXED);
-  }
-}
+uint64_t LivenessTicker::count() const { return __atomic_load_n(tick_->word, __ATOMIC_RELAXED); }
 
 }  // namespace peerstate

@@ -119,8 +119,9 @@ def measure_parallel_memcpy(
 
 class LivenessTicker:
     """Stores an increasing count into the 8-byte word at `offset` of the file at
-    `path` from a native thread, every `interval_seconds`: it stops only when the
-    process is frozen, never for the GIL (csrc/common/liveness_ticker.h)."""
+    `path` from a native thread, every `interval_seconds`: it stops when the process
+    is not scheduled (frozen, or starved), never for the GIL. Freeing the object does
+    not stop it: it ticks until the process is gone (csrc/common/liveness_ticker.h)."""
 
     def __init__(self, path: str, offset: int, interval_seconds: float) -> None: ...
     def stop(self) -> None:

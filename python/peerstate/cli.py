@@ -111,8 +111,9 @@ def parser() -> argparse.ArgumentParser:
                      "it recovers: --join-timeout)")
     run.add_argument("--freeze-timeout", type=float, default=0.5, help="seconds a worker's native liveness count "
                      "(bumped every 0.1 s by a thread that never waits on the GIL or a peer) may stand still, in "
-                     "any phase, before the worker is declared frozen (SIGSTOP, a cgroup freeze, a debugger that "
-                     "stops it) and handled as hung; at least 0.3")
+                     "any phase, before the agent asks the kernel; stopped (SIGSTOP, a debugger) or cgroup-frozen, "
+                     "it is declared frozen and handled as hung, while one merely starved of CPU is not; at least "
+                     "0.3")
     run.add_argument("--lease-timeout", type=float, default=3.0, help="seconds without a node's heartbeat "
                      "before it is declared lost")
     run.add_argument("--spare-timeout", type=float, default=60.0, help="seconds a recovery waits for a spare")

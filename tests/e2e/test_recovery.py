@@ -181,6 +181,30 @@ def test_a_hung_rank_and_its_buddy_killed_before_the_hang_is_seen_both_come_back
     assert sorted({r for p in job.events("plan") for r in p["failed"]}) == [1, 3]
 
 
+def test_a_hung_rank_is_kept_until_its_replacement_has_replicated_so_a_second_replacement_reads_it_again(run,
+                                                                                                     reference):
+    # The soak's hang-then-kill-buddy fallback (seed 12, under load): rank 3 hangs and its buddy
+    # rank 1 is killed; rank 3's replacement adopts what the hung worker held, and is killed in
+    # its first step, before its first round reached its holder. It was released (and killed)
+    # as soon as its replacement had pulled, so the only copies of rank 3 went with that
+    # replacement. It is now held until a round lands: the next replacement reads it again.
+    job = run(nodes=[(2, 1), (2, 2)], script_args=["--replacement-busy", "3:60"])
+    job.wait_for(lambda: len(job.events("spare_ready")) >= 3, "the spares")
+    job.wait_for_step(3, 3)
+    job.kill_rank(3, signal.SIGSTOP)
+    time.sleep(0.3)
+    job.kill_rank(1)
+    job.wait_for(lambda: "rank 3's replacement busy" in job.text(), "rank 3's replacement in its first step")
+    job.kill_rank(3)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert not job.events("checkpoint_fallback") and not job.events("state_lost"), job.describe()
+    adopted = [e for e in job.events("stopped_holder_adopted") if e["rank"] == 3]
+    assert len(adopted) == 2 and adopted[0]["pid"] == adopted[1]["pid"] and adopted[1]["own"], adopted
+    [killed] = job.events("hung_worker_killed")
+    assert killed["rank"] == 3 and killed["released"], killed
+
+
 def test_a_replacement_frozen_while_it_recovers_is_found_by_its_liveness_and_nobody_else_exits(run, reference):
     # While a worker recovers, torch's setup collectives may hold the GIL, so its Python
     # heartbeat is bounded by --join-timeout (60 s here). Its native liveness count is not:
@@ -198,7 +222,7 @@ def test_a_replacement_frozen_while_it_recovers_is_found_by_its_liveness_and_nob
     assert_bitwise(job, reference)
     assert [p["failed"] for p in job.events("plan")] == [[2], [2]], job.describe()
     exits = [(e["rank"], e["how"]) for e in job.events("process_exited") if e["code"] != 0 and e["rank"] is not None]
-    assert len(exits) == 2 and exits[1] == (2, "hung: frozen (its liveness count stopped too) and was killed"), exits
+    assert len(exits) == 2 and exits[1] == (2, "hung: frozen (stopped by a signal, state T) and was killed"), exits
 
 
 def test_two_ranks_of_a_node_lost_in_one_watch_pass_are_recovered_together(run, reference):

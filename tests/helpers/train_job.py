@@ -40,6 +40,8 @@ parser.add_argument("--hold-gil", default=None, metavar="RANK:SECONDS",
 parser.add_argument("--sleep-after-loop", type=float, default=0.0, help="seconds between the loop and close()")
 parser.add_argument("--abort-timeout", type=float, default=30.0)
 parser.add_argument("--failure-grace", type=float, default=20.0)
+parser.add_argument("--replacement-busy", default=None, metavar="RANK:SECONDS",
+                    help="the first replacement of RANK (a spare that took it) is busy this long in its first step")
 parser.add_argument("--busy", default=None, metavar="RANK:STEP:SECONDS",
                     help="RANK sleeps SECONDS inside STEP whenever it runs it (an evaluation on one rank)")
 parser.add_argument("--zero-grad-after-step", action="store_true",
@@ -135,7 +137,15 @@ print(f"rank {job.rank} pid {os.getpid()}", flush=True)
 ddp = model if args.fsdp else job.ddp(model)
 
 
+replacement_busy = [int(v) for v in args.replacement_busy.split(":")] if args.replacement_busy else None
+
+
 def train_step(step):
+    if replacement_busy and job.rank == replacement_busy[0] and os.environ["PEERSTATE_ROLE"] != "worker" and \
+            not os.path.exists(f"{args.out}.replacement-busy"):
+        open(f"{args.out}.replacement-busy", "w").close()  # its own replacement is not
+        print(f"rank {job.rank}'s replacement busy for {replacement_busy[1]}s in step {step}", flush=True)
+        time.sleep(replacement_busy[1])
     if job.rank == hold_rank and step == hold_step and job.recoveries == 0:
         print(f"rank {job.rank} holds at step {step}", flush=True)
         time.sleep(600)

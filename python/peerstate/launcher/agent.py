@@ -45,7 +45,7 @@ from peerstate.control.leases import LeaseWatch
 from peerstate.launcher.config import AgentConfig
 from peerstate.launcher.fault_delivery import FaultDelivery
 from peerstate.launcher.fork_server import ForkServer
-from peerstate.launcher.processes import HANG_CAUSES, HANG_HELD, WorkerProcess, describe_exit, die_with_parent, log_tail
+from peerstate.launcher.processes import WorkerProcess, describe_exit, die_with_parent, log_tail
 from peerstate.launcher.stopped_workers import StoppedWorkers
 from peerstate.launcher.store_connection import open_job_store
 
@@ -292,7 +292,7 @@ class Agent:
         process.counter.close()
         process.exit_watch.close()
         os.unlink(process.counter.path)
-        how = HANG_CAUSES[process.hung] if process.hung else describe_exit(code)
+        how = process.describe_hang() if process.hung else describe_exit(code)
         self.events.write("process_exited", worker=process.worker, rank=process.rank, code=code, how=how)
         if self.stopped.forget(process) or self._stopping or (code == 0 and process.rank is not None) or \
                 self.coordinator.failure():
@@ -399,7 +399,8 @@ class Agent:
             if cause and process.rank is not None and not process.hung:
                 process.hung = cause
                 if self.stopped.freeze(process):  # reported now, killed once its replacement read it
-                    self._report([process.worker], f"rank {process.rank} ({process.worker}) {HANG_HELD[cause]}",
+                    self._report([process.worker],
+                                 f"rank {process.rank} ({process.worker}) {process.describe_hang(held=True)}",
                                  time.time())
                     continue
                 os.killpg(process.popen.pid, signal.SIGKILL)  # reaped, and reported, by the next poll

@@ -28,9 +28,9 @@ class AgentConfig:
     host: str = "127.0.0.1"                # the address this node's workers listen on
     log_dir: str = "peerstate-logs"
     hang_timeout: float = 10.0             # a worker whose counter stops this long in its loop is killed
-    # A worker whose native liveness count stops this long is frozen as a whole (SIGSTOP, a
-    # cgroup freeze, a debugger that stops it): that count never waits on the GIL or a peer,
-    # so the bound can be a few of its ticks, not a loop's worst step (control.progress).
+    # A worker whose native liveness count stops this long is frozen if the kernel has it stopped
+    # or cgroup-frozen (launcher.kernel_state; starved of CPU, it is not): that count never waits
+    # on the GIL or a peer, so the bound can be a few of its ticks, not a loop's worst step.
     freeze_timeout: float = 0.5
     lease_timeout: float = 3.0             # a node whose lease stops this long is lost
     spare_timeout: float = 60.0            # how long a plan waits for a spare to become ready

@@ -13,15 +13,17 @@ from typing import Optional
 
 from peerstate.control import progress
 from peerstate.control.progress import ProgressCounter
+from peerstate.launcher import kernel_state
 
 
 # How a worker killed as hung is described (``WorkerProcess.hung``): its Python heartbeat
-# stood still past its bound, or its native liveness count did (see control.progress).
+# stood still past its bound, or its native liveness count did and the kernel does not run
+# it (see control.progress and kernel_state; ``WorkerProcess.frozen`` says how it was frozen).
 HANG_CAUSES = {"stalled": "hung (its progress counter stopped) and was killed",
-               "frozen": "hung: frozen (its liveness count stopped too) and was killed"}
+               "frozen": "hung: frozen ({frozen}) and was killed"}
 # The same, for one frozen for its replacement to read before it is killed (launcher.stopped_workers).
 HANG_HELD = {"stalled": "hung (its progress counter stopped): stopped for its replacement to read, then killed",
-             "frozen": "hung: frozen (its liveness count stopped too), kept for its replacement to read, then killed"}
+             "frozen": "hung: frozen ({frozen}), kept for its replacement to read, then killed"}
 
 
 class WorkerProcess:
@@ -40,6 +42,7 @@ class WorkerProcess:
         self.liveness_at = time.monotonic()
         self.ticked = False                # it reached peerstate.Job()
         self.hung: Optional[str] = None   # why it was killed as hung: 'stalled' or 'frozen'
+        self.frozen: Optional[str] = None  # what the kernel said of it when it was found frozen
         self.held = False                  # hung, and frozen for its replacement (launcher.stopped_workers)
         self.claimed = False               # a spare a planner claimed, not yet named by a plan
         self.ready = False                 # a spare in the pool (its script reached track())
@@ -53,10 +56,13 @@ class WorkerProcess:
         (``progress.SETUP`` says why) and once it closed its job without finishing
         (``progress.EXITING``), as nvidia-resiliency-ext bounds the first
         heartbeat apart from the later ones. Its native liveness count is bounded by
-        ``freeze_timeout`` (or ``hang_timeout`` if shorter) throughout: nothing healthy
-        stops it, so a frozen worker is found in a few of its intervals, in its loop as
-        while it recovers, before its peers' group formation gives up on it.
-        Not before it reached peerstate.Job(), nor once it finished its loop."""
+        ``freeze_timeout`` (or ``hang_timeout`` if shorter) throughout, and a count that
+        stood still that long is judged by the kernel (``kernel_state.frozen``): stopped or
+        cgroup-frozen is frozen, found in a few of its intervals, in its loop as while it
+        recovers, before its peers' group formation gives up on it; runnable but not
+        scheduled (a starved node, a CPU quota) or exiting is not, and is left to the
+        heartbeat's bound. Not before it reached peerstate.Job(), nor once it finished
+        its loop."""
         heartbeat, step, liveness = self.counter.read()
         if heartbeat != self.heartbeat:
             self.heartbeat, self.heartbeat_at, self.ticked = heartbeat, now, True
@@ -65,9 +71,16 @@ class WorkerProcess:
         if not self.ticked or step == progress.FINISHED:
             return None
         if self.liveness > 0 and now - self.liveness_at > min(freeze_timeout, hang_timeout):
-            return "frozen"
+            self.frozen = kernel_state.frozen(self.popen.pid) if kernel_state.AVAILABLE else \
+                "its liveness count stopped; no /proc to ask the kernel"
+            if self.frozen:
+                return "frozen"
         bound = hang_timeout if step >= 0 else max(hang_timeout, join_timeout)
         return "stalled" if now - self.heartbeat_at > bound else None
+
+    def describe_hang(self, held: bool = False) -> str:
+        """How it hung, for its exit and its report (``HANG_CAUSES``, ``HANG_HELD``)."""
+        return (HANG_HELD if held else HANG_CAUSES)[self.hung].format(frozen=self.frozen)
 
 
 # Linux's PF_EXITING: set on a task as it enters do_exit(), before its memory is released.

@@ -18,7 +18,7 @@ A replacement for rank r registers the same buffers, then ``repl.recover(r)``.
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from peerstate import _C
 from peerstate.errors import InvalidArgumentError
@@ -97,6 +97,7 @@ class Replication:
         self.replicator = _C.Replicator(store.native, self.transport, rank)
         self._index: Optional["_C.ProcessIndex"] = None  # see index_stores
         self._stopped: Optional[StoppedHolder] = None  # the hung predecessor this replacement adopted
+        self._release_once_replicated: Optional[Callable[[], None]] = None  # see release_once_replicated
         self._adopted_own: Set[int] = set()  # its own versions copied from there (see adopt)
         self._adopted_share: List[int] = []  # versions of its data-parallel share copied from there
         self._shares: Dict[int, SnapshotStore] = {}  # share -> the store this rank keeps it in
@@ -202,6 +203,20 @@ class Replication:
         self._adopted_own.clear()
         self._adopted_share = []
 
+    def release_once_replicated(self, release: Callable[[], None]) -> None:
+        """Call ``release`` (which lets the stopped predecessor be killed) once this rank's
+        state is held elsewhere again: when a round lands on every holder (``wait``), or
+        now if it has none (data-parallel state). Until then the predecessor is the only
+        other copy of what this replacement took from it: a replacement killed between
+        its pull and its first round would otherwise lose the rank's state, and its own
+        replacement reads the predecessor again (it stays named in the node channel)."""
+        if self._stopped is None:
+            return
+        if self.placement.holders(self.rank):
+            self._release_once_replicated = release
+        else:
+            release()
+
     def reserve(self, bytes_per_version: Dict[int, int]) -> None:
         """Account the replicas this rank will hold (rank -> bytes of one version) against
         its budget, now rather than mid-run. Raises BudgetExceededError."""
@@ -217,6 +232,9 @@ class Replication:
         """Block until ``version``'s round ends; return holder -> None (committed there) or
         the error. With ``check``, raise the first error."""
         results = dict(self.replicator.wait(version))
+        if self._release_once_replicated is not None and results and all(e is None for e in results.values()):
+            release, self._release_once_replicated = self._release_once_replicated, None
+            release()
         if check:
             for holder, error in results.items():
                 if error is not None:

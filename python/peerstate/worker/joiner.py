@@ -171,7 +171,7 @@ class EpochJoiner:
         membership.end_join()
         if needs_state:
             if self.restorer.pending is None:  # pulled: else it is killed at its hold's end
-                self._release_stopped()
+                self.replication.release_once_replicated(self._release_stopped)
             # Off the critical path: the first push to this holder comes a step later
             # (if it came sooner, it would fail and the next round would carry it).
             reserve_replicas(self.kv, self.replication, self.placement, rank, self.join_timeout, background=True)
