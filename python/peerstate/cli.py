@@ -26,7 +26,8 @@ def agent_config(args: argparse.Namespace, environ: Mapping[str, str]):
             raise InvalidArgumentError("--nnodes > 1 needs --store HOST:PORT (node 0 hosts the store there) or "
                                        "--store etcd://HOST:PORT[,HOST:PORT...]")
         store = "127.0.0.1:0"
-    return AgentConfig(script=[args.script, *args.script_args], nproc_per_node=args.nproc_per_node,
+    script = ["-m", args.script] if args.module else [args.script]
+    return AgentConfig(script=[*script, *args.script_args], nproc_per_node=args.nproc_per_node,
                        spares=args.spares, nnodes=nnodes, node_rank=0 if args.node_rank is None else args.node_rank,
                        store=store, host=args.host, log_dir=args.log_dir, hang_timeout=args.hang_timeout,
                        freeze_timeout=args.freeze_timeout, lease_timeout=args.lease_timeout,
@@ -138,7 +139,10 @@ def parser() -> argparse.ArgumentParser:
                           "ready in the time its script takes to reach peerstate.Job() instead of an interpreter's "
                           "start and torch's import (comma-separated; add your script's heavy imports; '' starts "
                           "each worker with its own interpreter, as torchrun does)")
-    run.add_argument("script", help="the training script")
+    run.add_argument("-m", "--module", action="store_true",
+                     help="the script is a module, run as `python -m MODULE` would (as torchrun's -m): "
+                          "peerstate run -m torchtitan.train ...")
+    run.add_argument("script", help="the training script (a module's name with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(handler=_run)
 

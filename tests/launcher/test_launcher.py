@@ -73,3 +73,29 @@ def test_job_outside_the_launcher_says_how_to_start_it(monkeypatch):
     monkeypatch.delenv("PEERSTATE_STORE", raising=False)
     with pytest.raises(peerstate.InvalidArgumentError, match="peerstate run --nproc-per-node"):
         peerstate.Job()
+
+
+MODULE = """
+import peerstate
+with peerstate.Job() as job:
+    job.track(extras={"count": 0})
+    for step in job.steps(3):
+        with job.guard():
+            job.extras["count"] += 1
+    print("module ran as", __name__, "count", job.extras["count"], flush=True)
+"""
+
+
+@pytest.mark.parametrize("preload", [None, ""], ids=["forked", "own-interpreter"])
+def test_a_module_is_run_as_python_m_runs_it(tmp_path, preload):
+    # torchrun -m torchtitan.train ...: trainers are started as modules, from the working directory.
+    package = tmp_path / "trainer"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(MODULE)
+    logs = tmp_path / "logs"
+    result = subprocess.run([sys.executable, "-m", "peerstate", "run", "--nproc-per-node", "2", "--log-dir", str(logs),
+                             *([] if preload is None else ["--preload", preload]), "-m", "trainer.train"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr + (logs / "n0.0.log").read_text()
+    assert "module ran as __main__ count 3" in (logs / "n0.0.log").read_text()

@@ -118,7 +118,8 @@ class ForkServer:
             return self._error is None
 
     def spawn(self, argv: List[str], env: Mapping[str, str], log: str, timeout: float = 120.0) -> ForkedProcess:
-        """Start ``python argv...`` (argv[0] the script) as a child of the server."""
+        """Start ``python argv...`` (argv[0] the script, or ``-m`` and a module) as a child
+        of the server."""
         open(log, "ab").close()  # there once spawn returns, as with Popen's stdout
         with self._send:
             request = self._next_request
@@ -260,12 +261,17 @@ def _become(request: dict, server: int) -> None:
     os.chdir(request["cwd"])
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # fresh entropy, as a new interpreter would draw
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
     import runpy
 
-    runpy.run_path(script, run_name="__main__")
+    argv = list(request["argv"])
+    if argv[0] == "-m":  # as `python -m MODULE ARGS`: the working directory first on the path
+        sys.argv = argv[1:]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    runpy.run_path(argv[0], run_name="__main__")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
