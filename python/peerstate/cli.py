@@ -33,7 +33,8 @@ def agent_config(args: argparse.Namespace, environ: Mapping[str, str]):
                        freeze_timeout=args.freeze_timeout, lease_timeout=args.lease_timeout,
                        spare_timeout=args.spare_timeout,
                        join_timeout=args.join_timeout, checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every, inject=args.inject, secret_file=args.secret_file,
+                       checkpoint_every=args.checkpoint_every, inject=args.inject, strict=args.strict,
+                       secret_file=args.secret_file,
                        frame_protection=args.frame_protection, job_id=args.job_id, store_timeout=args.store_timeout,
                        store_tls=TlsFiles(args.store_cacert, args.store_cert, args.store_key),
                        preload=[m.strip() for m in args.preload.split(",") if m.strip()])
@@ -41,6 +42,12 @@ def agent_config(args: argparse.Namespace, environ: Mapping[str, str]):
 
 def _run(args: argparse.Namespace) -> int:
     import os
+
+    # Quiet when healthy: the agent's store clients wait on purpose (a watch, a lease), and
+    # c10d logs every such wait as a warning ("waitForInput ... timed out"). Read by torch
+    # when it loads, so before the agent imports it; a user's own setting wins. Workers get
+    # the same default (launcher.agent).
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
     from peerstate.launcher.agent import Agent
     from peerstate.errors import Error
@@ -139,6 +146,9 @@ def parser() -> argparse.ArgumentParser:
                           "ready in the time its script takes to reach peerstate.Job() instead of an interpreter's "
                           "start and torch's import (comma-separated; add your script's heavy imports; '' starts "
                           "each worker with its own interpreter, as torchrun does)")
+    run.add_argument("--strict", action="store_true",
+                     help="stop the job when a worker finds that the run is no longer bitwise equal to a "
+                          "fault-free one (without it, each finding is said on the console and in the summary)")
     run.add_argument("-m", "--module", action="store_true",
                      help="the script is a module, run as `python -m MODULE` would (as torchrun's -m): "
                           "peerstate run -m torchtitan.train ...")

@@ -95,16 +95,34 @@ def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
         assert not pulled, pulled
 
 
-def test_a_seed_set_after_track_on_a_replacement_is_loud(run):
-    # track() restored the replacement's RNG; the script then re-seeded it, so the run cannot end
-    # bitwise equal to a fault-free one. Only the replacement says so: a fresh start restores nothing.
-    job = run(script_args=["--seed-after-track"])
+@pytest.mark.parametrize("script_args", [["--seed-after-track"], ["--prefetch"]], ids=["seed", "prefetch"])
+def test_a_resume_that_is_not_bitwise_is_said_on_the_console_and_in_the_summary(run, script_args):
+    # track() restored the replacement's RNG; the script then re-seeded it, or drew the next
+    # step's batch ahead, so the run cannot end bitwise equal to a fault-free one. Only the
+    # replacement can tell (a fresh start restores nothing); its agent says so on the console
+    # (the agent's stderr), at once and again in its closing summary. Exit codes stay 0.
+    job = run(script_args=script_args)
     job.wait_for_step(2, 10)
     job.kill_rank(2)
     assert job.wait() == [0, 0], job.describe()
     [warning] = job.events("rng_changed_after_restore")
     assert warning["rank"] == 2, warning
     assert "and they changed before its first step" in (job.logs / "n0.2.log").read_text()
+    console = job.agent_logs[0].read_text()  # rank 2's replacement is node 0's spare
+    said = re.findall(r"rank 2 \(n0\.2\) at step \d+: this run is no longer bitwise equal to a fault-free one: it "
+                      r"was restored to step \d+ inside track\(\), RNG states included", console)
+    assert len(said) == 2, console  # at once, and in the summary
+    assert "node 0's ranks finished, but the run is not bitwise equal to a fault-free one (1 finding(s)" in console
+    assert "not bitwise" not in job.agent_logs[1].read_text()
+
+
+def test_under_strict_a_resume_that_is_not_bitwise_stops_the_job(run):
+    job = run(script_args=["--seed-after-track"], agent_args=[*FAST, "--strict"])
+    job.wait_for_step(2, 10)
+    job.kill_rank(2)
+    assert job.wait() == [1, 1], job.describe()
+    summary = job.agent_logs[0].read_text()
+    assert "the job cannot go on: --strict: rank 2 (n0.2)" in summary and "no longer bitwise" in summary, summary
 
 
 def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):

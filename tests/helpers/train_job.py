@@ -42,6 +42,8 @@ parser.add_argument("--abort-timeout", type=float, default=30.0)
 parser.add_argument("--failure-grace", type=float, default=20.0)
 parser.add_argument("--replacement-busy", default=None, metavar="RANK:SECONDS",
                     help="the first replacement of RANK (a spare that took it) is busy this long in its first step")
+parser.add_argument("--prefetch", action="store_true",
+                    help="draw each step's noise from the global RNG a step ahead, the first right after track()")
 parser.add_argument("--busy", default=None, metavar="RANK:STEP:SECONDS",
                     help="RANK sleeps SECONDS inside STEP whenever it runs it (an evaluation on one rank)")
 parser.add_argument("--zero-grad-after-step", action="store_true",
@@ -130,6 +132,7 @@ scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
 job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=args.data_parallel)
 if args.seed_after_track:
     torch.manual_seed(job.rank)
+prefetched = [torch.randn(32, 4) * 0.01] if args.prefetch else []  # a loader that draws ahead
 if args.undeclared_group:
     dist.new_group([0, 1])
 print("environment after track:", " ".join(f"{v}={os.environ.get(v, '-')}" for v in LAUNCH_VARIABLES), flush=True)
@@ -159,7 +162,7 @@ def train_step(step):
     generator = torch.Generator().manual_seed(1000 * step + job.rank)
     x = torch.randn(32, 16, generator=generator)
     y = torch.randn(32, 4, generator=generator)
-    noise = torch.randn(32, 4) * 0.01  # draws from the global RNG: its state must be restored too
+    noise = prefetched.pop() if prefetched else torch.randn(32, 4) * 0.01  # the global RNG: restored too
     loss = F.mse_loss(ddp(x) + noise, y)
     if not args.zero_grad_after_step:
         optimizer.zero_grad()
@@ -167,6 +170,8 @@ def train_step(step):
     time.sleep(args.step_seconds)
     optimizer.step()
     scheduler.step()
+    if args.prefetch:
+        prefetched.append(torch.randn(32, 4) * 0.01)
     if args.zero_grad_after_step:
         optimizer.zero_grad()
     if job.rank == late_rank and step == late_step and job.recoveries == 0:

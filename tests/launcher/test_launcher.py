@@ -99,3 +99,16 @@ def test_a_module_is_run_as_python_m_runs_it(tmp_path, preload):
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr + (logs / "n0.0.log").read_text()
     assert "module ran as __main__ count 3" in (logs / "n0.0.log").read_text()
+
+
+def test_a_fault_free_run_says_nothing_a_user_must_learn_to_ignore(tmp_path):
+    # c10d logged every wait of the agent's store clients that ran out on purpose (a watch, a
+    # lease) as "[c10d] waitForInput ... timed out": about 20 warnings a healthy run.
+    job = Job(tmp_path, [(2, 1), (2, 0)], agent_args=FAST, script_args=["--steps", "10"])
+    try:
+        assert job.wait(timeout=120) == [0, 0], job.describe()
+        consoles = [log.read_text() for log in job.agent_logs]
+    finally:
+        job.close()
+    said = [line for text in consoles for line in text.splitlines() if not line.startswith("peerstate: store at ")]
+    assert said == [], said

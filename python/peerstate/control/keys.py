@@ -44,6 +44,8 @@ workers: they never read the job's store for the recovery protocol)
     ``epoch/{e}/orders/{n}``        the node's NodeInstructions, as the plan writer wrote them
     ``stopped/{rank}``              "{pid}:{index address}" of the rank's hung worker, frozen for its replacement
     ``released/{pid}``              set by that replacement once it no longer reads it (then it is killed)
+    ``findings``                    counter of what this node's workers found that is not bitwise
+    ``finding/{n}``                 finding n: its rank, worker, step and cause (``control.findings``)
 
 Tools
     ``inject/{index}``              the agent that injected fault ``index`` (injected once)
@@ -159,3 +161,10 @@ def stopped_holder(rank: int) -> str:
 
 def stopped_holder_released(pid: int) -> str:
     return f"released/{pid}"
+
+
+FINDINGS = "findings"
+
+
+def finding(index: int) -> str:
+    return f"finding/{index}"

@@ -34,6 +34,7 @@ from peerstate.control import keys
 from peerstate.control import progress as progress_file
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, WorkerEnvironment, job_secret
+from peerstate.control.findings import FindingsReader
 from peerstate.control.kvstore import TorchKeyValueStore
 from peerstate.control.node_relay import NodeRelay
 from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
@@ -136,6 +137,7 @@ class Agent:
         self.coordinator.start(self.name)
         self._start_relay()
         self.stopped = StoppedWorkers(self.channel, self.events)
+        self.findings = FindingsReader(self.channel)
         self.faults = FaultDelivery(self.injector, self.kv, self.name, self.events)
         self.events.write("agent_started", node=self.node, store=self.store_address)
 
@@ -256,9 +258,11 @@ class Agent:
                 failure = self.coordinator.failure()
                 if failure:
                     return self._stop(failure)
+                self.findings.say_new(self.events, self._fail if self.config.strict else None)
                 if self.kv.add(keys.JOB_FINISHED, 0) >= self.world_size and not self._live_workers():
                     self.kv.set(keys.node_done(self.node), b"1")
                     self.events.write("agent_done", node=self.node)
+                    self.findings.say_all(f"node {self.node}'s ranks finished")
                     if self.hosts_store:
                         self._wait_for_other_nodes()
                     return 0

@@ -40,6 +40,7 @@ class AgentConfig:
     secret_file: Optional[str] = None      # the job secret, when PEERSTATE_SECRET is not set
     frame_protection: str = "authenticated"  # of the replication frames, the same on every node
     inject: List[str] = field(default_factory=list)  # fault specs (peerstate.launcher.inject)
+    strict: bool = False                   # a resume found not bitwise stops the job (control.findings)
     extra_env: Dict[str, str] = field(default_factory=dict)
     # Modules a node's fork server imports once, its workers forked from it (launcher.fork_server);
     # empty: each worker starts its own interpreter.

@@ -58,6 +58,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.environment import WorkerEnvironment
+from peerstate.control.findings import report_finding
 from peerstate.control.kvstore import TorchKeyValueStore, open_store
 from peerstate.control.messages import RecoveryPlan
 from peerstate.control.progress import ProgressCounter
@@ -366,14 +367,15 @@ class Job:
         if undeclared:  # a replacement would run into the same: the job stops
             raise InvalidArgumentError(self.coordinator.fail_job(f"rank {self.rank}: {undeclared}"))
         if self.tracked.rng_changed():
-            message = (f"peerstate: rank {self.rank} was restored to step {self.next_step - 1} inside track(), RNG "
-                       "states included, and they changed before its first step: a seed set (torch.manual_seed, "
-                       "random.seed, numpy.random.seed) or a random draw made after track() replaced them, so this "
-                       "resume is not bitwise. Seed before Job() and track(), or draw from a generator seeded by "
-                       "the step (README, 'What a training script must and must not do').")
-            print(message, file=sys.stderr, flush=True)
+            cause = (f"it was restored to step {self.next_step - 1} inside track(), RNG states included, and they "
+                     "changed before its first step: a seed set (torch.manual_seed, random.seed, numpy.random.seed) "
+                     "or a random draw made after track() (a batch prefetched across steps draws too) replaced "
+                     "them. Seed before Job() and track(), or draw from a generator seeded by the step (README, "
+                     "'What a training script must and must not do').")
+            print(f"peerstate: rank {self.rank} {cause}", file=sys.stderr, flush=True)
             self.events.write("rng_changed_after_restore", rank=self.rank, step=self.next_step)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            report_finding(self.channel, self.rank, self.worker, self.next_step, cause)  # on its agent's console
+            warnings.warn(cause, RuntimeWarning, stacklevel=2)
         self._guard = StepGuard(self.joiner, self.boundary, self.membership, self.events, self.regroup)
         return self._guard
 
