@@ -50,6 +50,42 @@ def test_a_subgroup_declared_in_a_formed_epoch_is_formed_at_once(groups):
     assert declared.group is not None and dist.get_world_size(declared.group) == 1
 
 
+def test_a_builders_meshes_are_formed_again_in_every_epoch_and_a_builder_that_changes_is_refused(groups):
+    # torchtitan's shape: a world mesh, unflattened into named dimensions, two of them
+    # flattened into one. The builder runs after peerstate's own groups in every epoch;
+    # its groups are peerstate's (none undeclared), and the script keeps the first result.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from peerstate.worker.meshes import BuiltMeshes
+
+    kv, groups = groups
+    extra = []
+
+    def build():
+        world = init_device_mesh("cpu", (1,), mesh_dim_names=("world",))
+        mesh = world._unflatten(0, (1, 1), ("dp_replicate", "dp_shard"))
+        flat = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        for ranks in extra:  # a builder that creates one more group than the first time
+            dist.new_group(ranks)
+        return {"mesh": mesh, "dp": flat}
+
+    built = BuiltMeshes(build, layout=[("dp_replicate", 1), ("dp_shard", 1)])
+    groups.add(built, timeout=10)
+    first = None
+    for epoch in (0, 1):
+        groups.form(kv, epoch, rank=0, world_size=1, timeout=10)
+        if first is None:
+            first = built.value
+        assert built.value is first and groups.describe_undeclared() is None
+        total = torch.tensor([5])
+        dist.all_reduce(total, group=first["dp"].get_group())  # the first mesh, on this epoch's group
+        assert int(total) == 5
+        groups.destroy()
+    extra.append([0])
+    with pytest.raises(Exception, match=r"builder created process groups named .* in this epoch, not"):
+        groups.form(kv, 2, rank=0, world_size=1, timeout=10)
+
+
 @contextlib.contextmanager
 def _peer(kv, epoch, body, store="kv", prelude=""):
     """A second process, rank 1 of a 2-rank gloo group of ``epoch`` formed through

@@ -102,3 +102,73 @@ def test_a_share_count_a_replica_set_cannot_hold_is_refused_at_track():
                         replica_mesh=(2, 2), replica_dim=0)
     finally:
         state.close()
+
+
+class OptimizersContainer(torch.optim.Optimizer):
+    """torchtitan's shape: one optimizer per model part in ``.optimizers``; the container is
+    an Optimizer itself (for its hooks), over every parameter, and its own ``state`` stays
+    empty. ``hide`` keeps them under another name: a container peerstate cannot see into."""
+
+    def __init__(self, parts, hide=False):
+        inner = [torch.optim.AdamW(part.parameters(), lr=0.1) for part in parts]
+        if hide:
+            self._inner = inner
+        else:
+            self.optimizers = inner
+        torch.optim.Optimizer.__init__(self, [p for part in parts for p in part.parameters()], {"lr": 0.1})
+
+    def step(self, closure=None):
+        for optimizer in getattr(self, "optimizers", None) or self._inner:
+            optimizer.step()
+
+    def state_dict(self):
+        return {"state": {f"{i}/{k}": v for i, o in enumerate(getattr(self, "optimizers", None) or self._inner)
+                          for k, v in o.state_dict()["state"].items()}}
+
+
+def train_one_step(parts, optimizer):
+    x = torch.randn(4, 3)
+    for part in parts:
+        x = part(x)
+    x.sum().backward()
+    optimizer.step()
+
+
+def test_model_parts_and_an_optimizer_container_are_registered_part_by_part_and_restored(tracked, capsys):
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)]
+    container = OptimizersContainer(parts)
+    tracked.track(model=parts, optimizer=container, scheduler=None, loader=None, extras={}, data_parallel=False)
+    train_one_step(parts, container)
+    tracked.register(0)
+    names = tracked.own.native.buffer_names()
+    moments = [n for n in names if n.startswith("optimizer/") and "/state/" in n]
+    assert len(moments) == 12, names  # 2 optimizers x 2 parameters x (step, exp_avg, exp_avg_sq): not 0
+    assert {"model/0/weight", "model/1/bias"} <= set(names), names
+    said = capsys.readouterr().err  # once, in the worker's log: which path each object takes
+    assert "tracks model (2 parts, 4 tensors in place); optimizer (2 parts, 12 tensors in place)" in said, said
+    snapshot(tracked, 1)
+    saved = [{k: v.clone() for k, v in s.items()} for o in container.optimizers for s in o.state.values()]
+    train_one_step(parts, container)
+    tracked.restore(1)
+    restored = [s for o in container.optimizers for s in o.state.values()]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(saved, restored) for k in a)
+
+
+def test_a_container_whose_optimizers_cannot_be_found_is_refused_by_name_not_registered_as_nothing(tracked):
+    parts = [torch.nn.Linear(3, 3)]
+    container = OptimizersContainer(parts, hide=True)
+    tracked.track(model=parts, optimizer=container, scheduler=None, loader=None, extras={}, data_parallel=False)
+    train_one_step(parts, container)
+    with pytest.raises(InvalidArgumentError, match=r"the optimizer OptimizersContainer holds no tensor in its \.state "
+                                                   r"after its first step, but its state_dict\(\) holds 6"):
+        tracked.register(0)
+
+
+def test_a_stateless_optimizer_is_not_refused(tracked):
+    model = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum: no state at all
+    tracked.track(model=model, optimizer=optimizer, scheduler=None, loader=None, extras={}, data_parallel=False)
+    train_one_step([model], optimizer)
+    tracked.register(0)
+    assert not [n for n in tracked.own.native.buffer_names() if n.startswith("optimizer/state")]

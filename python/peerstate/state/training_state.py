@@ -13,6 +13,13 @@ Optimizer state such as Adam's moments is created lazily by the first
 Sharded state (FSDP2's ``fully_shard``, any DTensor) is registered as this
 rank's local shard: each rank snapshots and replicates its own shard, and a
 replacement receives the failed rank's.
+
+Trainers hand DCP containers: model parts as a list (pipeline stages), one
+optimizer per part in a container (torchtitan's ``OptimizersContainer``, an
+``Optimizer`` whose own ``state`` stays empty, its state in ``.optimizers``).
+Both are taken apart here (``model_parts``, ``optimizer_parts``) and each part
+registered in place; an optimizer whose state cannot be found that way is
+refused by name (``check_optimizer_state``), never registered as nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import random
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from peerstate.errors import InvalidArgumentError
 from peerstate.state.snapshot import SnapshotStore
 
 
@@ -58,37 +66,90 @@ def training_state(
 
     tensors: Dict[str, Any] = {}
     objects: Dict[str, Tuple[Callable[[], Any], Callable[[Any], None]]] = {}
-    if model is not None:
-        for key, value in model.state_dict().items():
+    models = model_parts(model)
+    for index, part in enumerate(models):
+        where = f"{prefix}model/" if len(models) == 1 else f"{prefix}model/{index}/"
+        for key, value in part.state_dict().items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{prefix}model/{key}"] = local(value)
-    if optimizer is not None:
-        # Index the live state by the parameters' positions, as state_dict() does,
-        # but keep references to the live tensors rather than to a packed copy.
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        scalars = {}
-        for index, param in enumerate(params):
-            for key, value in optimizer.state.get(param, {}).items():
-                name = f"{prefix}optimizer/state/{index}/{key}"
-                if isinstance(value, torch.Tensor):
-                    tensors[name] = local(value)
-                else:
-                    scalars[(index, key)] = value
-
-        def get_groups() -> Any:
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            state = {(i, k): optimizer.state[params[i]][k] for (i, k) in scalars}
-            return groups, state
-
-        def set_groups(value: Any) -> None:
-            groups, state = value
-            for group, saved in zip(optimizer.param_groups, groups):
-                group.update(saved)
-            for (i, k), v in state.items():
-                optimizer.state[params[i]][k] = v
-
-        objects[f"{prefix}optimizer/param_groups"] = (get_groups, set_groups)
+                tensors[f"{where}{key}"] = local(value)
+    optimizers = optimizer_parts(optimizer)
+    for index, part in enumerate(optimizers):
+        where = f"{prefix}optimizer/" if len(optimizers) == 1 else f"{prefix}optimizer/{index}/"
+        _optimizer_state(part, where, local, tensors, objects)
     return tensors, objects
+
+
+def model_parts(model: Any) -> List[Any]:
+    """The modules of ``model``: itself, or each of a list of model parts."""
+    if model is None:
+        return []
+    return [m for part in model for m in model_parts(part)] if isinstance(model, (list, tuple)) else [model]
+
+
+def optimizer_parts(optimizer: Any) -> List[Any]:
+    """The optimizers whose ``state`` holds the state: ``optimizer`` itself, each of a
+    list, or each of a container's ``.optimizers`` (torchtitan's OptimizersContainer)."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, (list, tuple)):
+        return [o for part in optimizer for o in optimizer_parts(part)]
+    inner = getattr(optimizer, "optimizers", None)
+    if isinstance(inner, (list, tuple)) and inner:
+        return optimizer_parts(list(inner))
+    return [optimizer]
+
+
+def check_optimizer_state(optimizer: Any) -> None:
+    """Refuse, naming it, an optimizer part whose ``state`` holds no tensor once it has
+    stepped while its ``state_dict()`` holds some: its state lives where it cannot be
+    registered in place (a container of another shape), and registering its empty
+    ``state`` would make every restore silently skip it. A stateless optimizer (SGD
+    without momentum: no tensor either way) passes."""
+    import torch
+
+    for part in optimizer_parts(optimizer):
+        if any(isinstance(v, torch.Tensor) for state in part.state.values() for v in state.values()):
+            continue
+        held = [v for state in part.state_dict().get("state", {}).values() if isinstance(state, dict)
+                for v in state.values() if isinstance(v, torch.Tensor)]
+        if held:
+            raise InvalidArgumentError(
+                f"the optimizer {type(part).__name__} holds no tensor in its .state after its first step, but its "
+                f"state_dict() holds {len(held)}: its state lives in optimizers it contains, which peerstate cannot "
+                "see, and a restore would leave them as they are. Hand those optimizers instead "
+                "(track(optimizer=[...]), or a container with an .optimizers list, as torchtitan's "
+                "OptimizersContainer)")
+
+
+def _optimizer_state(optimizer: Any, where: str, local: Callable[[Any], Any], tensors: Dict[str, Any],
+                     objects: Dict[str, Tuple[Callable[[], Any], Callable[[Any], None]]]) -> None:
+    import torch
+
+    # Index the live state by the parameters' positions, as state_dict() does,
+    # but keep references to the live tensors rather than to a packed copy.
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    scalars = {}
+    for index, param in enumerate(params):
+        for key, value in optimizer.state.get(param, {}).items():
+            name = f"{where}state/{index}/{key}"
+            if isinstance(value, torch.Tensor):
+                tensors[name] = local(value)
+            else:
+                scalars[(index, key)] = value
+
+    def get_groups() -> Any:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        state = {(i, k): optimizer.state[params[i]][k] for (i, k) in scalars}
+        return groups, state
+
+    def set_groups(value: Any) -> None:
+        groups, state = value
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update(saved)
+        for (i, k), v in state.items():
+            optimizer.state[params[i]][k] = v
+
+    objects[f"{where}param_groups"] = (get_groups, set_groups)
 
 
 def capture_rng() -> Dict[str, Any]:

@@ -53,7 +53,7 @@ import math
 import os
 import sys
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
@@ -67,11 +67,12 @@ from peerstate.errors import InvalidArgumentError, JobFailedError
 from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.replication.stopped_holder import permit_reads_by_the_node
+from peerstate.state.training_state import optimizer_parts
 from peerstate.worker.abort import AbortHandler
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.joiner import FORM_CONNECT_TIMEOUT, EpochJoiner, Superseded
 from peerstate.worker.membership import EpochWatcher, Membership, MemberState
-from peerstate.worker.meshes import DeclaredMesh, replica_dimension
+from peerstate.worker.meshes import BuiltMeshes, DeclaredMesh, replica_dimension
 from peerstate.worker.process_groups import ProcessGroups, Subgroup, claim_default_group, release_default_group
 from peerstate.worker.rebuild import DistributedWrappers, RebuildableDDP
 from peerstate.worker.regroup import BusyPeerRegroup
@@ -279,6 +280,25 @@ class Job:
         self._meshes.append(declared)
         return declared
 
+    def build_meshes(self, builder: Callable[[], Any], *,
+                     layout: Optional[Sequence[Tuple[str, int]]] = None) -> BuiltMeshes:
+        """Declare the script's own mesh builder: a function that builds every mesh it
+        needs with torch's DeviceMesh API (``init_device_mesh``, ``_unflatten``,
+        ``_flatten``, slicing, ``backend_override``) and returns them, as torchtitan's
+        ``ParallelDims.build_mesh`` does. peerstate runs it now (a spare: once it has a
+        rank) and again in every epoch after its own groups, and aborts and re-forms
+        its groups with them; ``.value`` is what the first call returned, valid across
+        recoveries (see ``meshes``). ``layout``: the world mesh's (name, size) pairs, for
+        ``track(data_parallel=NAME)``. The same rules as ``new_group``."""
+        self._check_declaration("build_meshes()")
+        if layout is not None and math.prod(size for _, size in layout) != self.world_size:
+            raise InvalidArgumentError(f"build_meshes(layout={list(layout)}): the sizes must multiply to the world "
+                                       f"size {self.world_size}")
+        built = BuiltMeshes(builder, layout)
+        self.groups.add(built, self.join_timeout)
+        self._meshes.append(built)
+        return built
+
     def _check_declaration(self, what: str) -> None:
         if self.tracked.tracking:
             raise InvalidArgumentError(f"call {what} before track(): a hot spare waits in track(), and every "
@@ -318,18 +338,20 @@ class Job:
                            replica_dim=replica_dim)
         self.wrappers.model = model
         resume = self.resume.point(new_job=not (self.membership.replacement or self.recoveries or self.next_step))
-        if (self.membership.needs_state or resume) and optimizer is not None and not optimizer.state:
+        optimizers = optimizer_parts(optimizer)  # a container's or a list's optimizers, or it
+        if self.membership.needs_state or resume:
             from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-            _init_optim_state(optimizer)  # what a restore writes into must exist
+            for part in optimizers:
+                _init_optim_state(part)  # what a restore writes into must exist (a no-op once it does)
         if self.membership.needs_state:
             self.tracked.register(self.rank)  # allocates too: a recovery should not fault memory in
             if self.replication is not None:
                 self.boundary.replication_serves_shares()
         elif resume:
             self.joiner.next_step = self.resume.load(*resume, self.rank)
-        if optimizer is not None:
-            optimizer.register_step_pre_hook(lambda *_: self.boundary.start_replication())
+        for part in optimizers:  # the first to step starts the round; the others find it started
+            part.register_step_pre_hook(lambda *_: self.boundary.start_replication())
         self.wait_for_rank()
         if self.restorer.pending is not None:
             self.restorer.restore_pending()

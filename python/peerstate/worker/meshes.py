@@ -11,17 +11,26 @@ it) valid: peerstate creates a fresh mesh with the same shape right after the
 default group and the declared subgroups, checks that its group names are
 the old ones, and drops it; the script goes on using the mesh it was given.
 
-What a script must do: declare every mesh with ``Job.device_mesh`` before
-``track()``, every process in the same order (a hot spare too: its meshes are
-formed when it is given a rank). A mesh created with ``init_device_mesh``
-directly, or a group from ``torch.distributed.new_group``, is neither aborted
-nor re-formed, and ``Job.guard`` refuses to run a step while one exists.
+Production trainers build their meshes from one world mesh (torchtitan's
+``ParallelDims.build_mesh``: ``init_device_mesh``, then ``_unflatten``,
+``_flatten``, slicing, ``backend_override``). Such a script hands peerstate its
+builder (``Job.build_meshes``): peerstate runs it in every epoch right after its
+own groups, checks that it created the same groups under the same names, counts
+them as its own (aborted with the others) and drops the new objects; the
+script keeps what the first call returned (``BuiltMeshes``).
+
+What a script must do: declare every mesh with ``Job.device_mesh`` or
+``Job.build_meshes`` before ``track()``, every process in the same order (a hot
+spare too: its meshes are formed when it is given a rank). A mesh created with
+``init_device_mesh`` directly, or a group from ``torch.distributed.new_group``,
+is neither aborted nor re-formed, and ``Job.guard`` refuses to run a step while
+one exists.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from peerstate.errors import InvalidArgumentError
 
@@ -90,15 +99,76 @@ class DeclaredMesh:
         self._formed = True
 
 
-def replica_dimension(meshes: Sequence[DeclaredMesh], data_parallel: Union[bool, str]) -> Tuple[Tuple[int, ...], int]:
+class BuiltMeshes:
+    """Meshes a script builds itself, declared with ``Job.build_meshes(builder)``.
+    ``value`` is what the builder returned the first time, the same object in every
+    epoch (its meshes find their groups by name, as ``DeclaredMesh`` says).
+    ``layout``: the world mesh's dimensions and sizes, in order, where the builder
+    unflattens one (what ``track(data_parallel=NAME)`` reads; a spare must know it
+    before it has a rank, and so before the builder can run)."""
+
+    def __init__(self, builder: Callable[[], Any], layout: Optional[Sequence[Tuple[str, int]]] = None) -> None:
+        self.builder = builder
+        self.shape = tuple(int(size) for _, size in layout) if layout else ()
+        self.dim_names = tuple(name for name, _ in layout) if layout else None
+        self._value: Any = None
+        self._names: Optional[List[str]] = None  # the groups the first call created, in order
+        self._formed = False
+
+    @property
+    def value(self) -> Any:
+        """What the builder returned (raises while this process has no rank)."""
+        if not self._formed:
+            raise InvalidArgumentError(
+                "the meshes of job.build_meshes() are not formed: this process has no rank yet (a spare before "
+                "wait_for_rank() or track() returned) or its epoch's groups are being re-formed")
+        return self._value
+
+    def dissolve(self) -> None:
+        self._formed = False
+
+    def form(self, create_timeout: Optional[float], set_wait: Callable[[Any], None]) -> None:
+        """Run the builder for this epoch (as ``DeclaredMesh.form``); raises RuntimeError
+        when it created other groups, or the same under other names, than the first time."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        existing = set(c10d._world.pg_names)
+        default = c10d.default_pg_timeout
+        if create_timeout is not None:
+            c10d.default_pg_timeout = datetime.timedelta(seconds=create_timeout)
+        try:
+            fresh = self.builder()
+        finally:
+            c10d.default_pg_timeout = default
+        created = [(group, name) for group, name in c10d._world.pg_names.items() if group not in existing]
+        for group, _ in created:
+            if dist.get_backend(group) == "gloo":  # a fake backend's group has no wait to bound
+                set_wait(group)
+        names = [name for _, name in created]
+        if self._names is None:
+            self._value, self._names = fresh, names
+        elif names != self._names:
+            raise RuntimeError(
+                f"job.build_meshes()'s builder created process groups named {names} in this epoch, not "
+                f"{self._names}: it must create the same groups in the same order every time, and no group may be "
+                "created before it that was not there in the first epoch (create every group with job.new_group, "
+                "job.device_mesh or job.build_meshes, before track())")
+        self._formed = True
+
+
+def replica_dimension(meshes: Sequence[Union[DeclaredMesh, BuiltMeshes]],
+                      data_parallel: Union[bool, str]) -> Tuple[Tuple[int, ...], int]:
     """(mesh shape, dimension) along which the data-parallel state is the same, for
     ``Job.track(data_parallel=NAME)``: the one declared mesh with a dimension of that
-    name. ((), -1) for ``data_parallel`` True (every rank) or False."""
+    name (a ``DeclaredMesh``, or a ``BuiltMeshes`` given its ``layout``). ((), -1) for
+    ``data_parallel`` True (every rank) or False."""
     if not isinstance(data_parallel, str):
         return (), -1
     named = [mesh for mesh in meshes if data_parallel in (mesh.dim_names or ())]
     if len(named) != 1:
         raise InvalidArgumentError(
-            f"track(data_parallel={data_parallel!r}) names a dimension of a mesh declared with job.device_mesh(), "
-            f"and exactly one must have it; the declared meshes' dimensions are {[m.dim_names for m in meshes]}")
+            f"track(data_parallel={data_parallel!r}) names a dimension of a mesh declared with job.device_mesh() "
+            "(or of the layout given to job.build_meshes()), and exactly one must have it; the declared meshes' "
+            f"dimensions are {[m.dim_names for m in meshes]}")
     return named[0].shape, named[0].dim_names.index(data_parallel)

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.errors import AbortedError
+from peerstate.state.training_state import model_parts
 
 
 class RebuildableDDP:
@@ -259,9 +260,14 @@ def reset_fsdp(model: Any) -> None:
     (``reset_iter_state``: in-flight collectives, unsharded parameters, per-iteration
     trackers) and point their cached process groups (shard and, with HSDP, replicate)
     at the re-formed groups. Their device mesh finds groups by name, and a re-formed
-    group has the old one's (see ``meshes``)."""
-    if model is None or not hasattr(model, "reset_iter_state"):
-        return
+    group has the old one's (see ``meshes``). ``model``: a module or a list of model
+    parts, each reset."""
+    for part in model_parts(model):
+        if hasattr(part, "reset_iter_state"):
+            _reset_fsdp_part(part)
+
+
+def _reset_fsdp_part(model: Any) -> None:
     infos = {}
     for module in model.modules():
         group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None

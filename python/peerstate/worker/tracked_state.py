@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import sys
 from typing import Any, Callable, Container, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from peerstate.control.messages import StateLayout
@@ -13,7 +14,8 @@ from peerstate.errors import InvalidArgumentError
 from peerstate.replication.placement import DataParallelShares, default_share_count, mesh_replica_sets
 from peerstate.state.buffers import ByteRange
 from peerstate.state.snapshot import SnapshotStore
-from peerstate.state.training_state import capture_rng, restore_rng, training_state
+from peerstate.state.training_state import (capture_rng, check_optimizer_state, model_parts, optimizer_parts,
+                                            restore_rng, training_state)
 
 # Slots of a share this rank does not snapshot itself: where a recovery lands it.
 PULLED_SHARE_VERSIONS = 2
@@ -82,6 +84,7 @@ class TrackedState:
         """Register the tracked state with the stores and allocate their versions
         (``rank`` None: a spare, which does not know its share yet)."""
         tracked = self.objects
+        check_optimizer_state(tracked.get("optimizer"))
         tensors, objects = training_state(tracked.get("model"), tracked.get("optimizer"))
         if tracked.get("scheduler") is not None:
             objects["scheduler"] = (tracked["scheduler"].state_dict, tracked["scheduler"].load_state_dict)
@@ -104,6 +107,26 @@ class TrackedState:
         for store in self.all_stores():
             store.allocate()
         self.registered = True
+        print(f"peerstate: rank {rank} tracks {self.describe(tensors)}", file=sys.stderr, flush=True)
+
+    def describe(self, tensors: Mapping[str, Any]) -> str:
+        """Which path each tracked object takes, said once in the worker's log: tensors
+        registered in place (snapshotted and restored where they live), or an object's
+        state_dict()/load_state_dict() (captured at each boundary, loaded back)."""
+        parts = []
+        for name, owner in (("model", model_parts(self.objects.get("model"))),
+                            ("optimizer", optimizer_parts(self.objects.get("optimizer")))):
+            if owner:
+                count = sum(1 for t in tensors if t.startswith(f"{name}/"))
+                parts.append(f"{name} ({len(owner)} part{'s' if len(owner) > 1 else ''}, {count} tensors in place)")
+        loaded = [n for n in ("scheduler", "loader") if self.objects.get(n) is not None]
+        loaded += [f"extras[{n!r}]" for n, v in self.extras.items() if _loads_in_place(v)]
+        if loaded:
+            parts.append(f"{', '.join(loaded)} through state_dict()/load_state_dict()")
+        plain = [n for n, v in self.extras.items() if not _loads_in_place(v)]
+        if plain:
+            parts.append(f"extras {plain} by value")
+        return "; ".join(parts) + "; the RNG states"
 
     def _create_share_stores(self, rank: Optional[int]) -> None:
         """One store per data-parallel share. This rank snapshots its own share into
@@ -194,9 +217,8 @@ class TrackedState:
         """Set the gradient of every tracked parameter to None. The step after a restore
         must not start from the aborted step's partial gradients: a loop that zeroes
         them after ``optimizer.step()`` would add its replay onto them."""
-        for owner in (self.objects.get("model"), self.objects.get("optimizer")):
-            if owner is not None:
-                owner.zero_grad(set_to_none=True)
+        for owner in (*model_parts(self.objects.get("model")), *optimizer_parts(self.objects.get("optimizer"))):
+            owner.zero_grad(set_to_none=True)
 
     def checkpoint_state(self, rank: int) -> Dict[str, Any]:
         """What a disk checkpoint holds, keyed the same whatever the data-parallel
