@@ -17,23 +17,6 @@ from peerstate.control.environment import ABORT_DEADLINE_EXIT_CODE  # noqa: E402
 from peerstate.tools.local import alive  # noqa: E402
 from peerstate.worker.checkpoint import latest_checkpoint  # noqa: E402
 
-TWO_NODES = [(2, 1), (2, 0)]  # 4 workers on 2 simulated nodes + 1 spare
-
-
-@pytest.fixture
-def run(tmp_path):
-    jobs = []
-
-    def start(nodes=TWO_NODES, **kwargs):
-        kwargs.setdefault("agent_args", FAST)
-        job = Job(tmp_path / f"job{len(jobs)}", nodes, steps=kwargs.pop("steps", STEPS), **kwargs)
-        jobs.append(job)
-        return job
-
-    yield start
-    for job in jobs:
-        job.close()
-
 
 def recoveries(job):
     return job.events("recovery")

@@ -10,30 +10,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from helpers.jobs import FAST, STEPS, Job, assert_bitwise  # noqa: E402
+from helpers.jobs import assert_bitwise  # noqa: E402
 from helpers.load import busy_cores, cpu_quota, freezer  # noqa: E402
 from peerstate.launcher import kernel_state  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernel_state.AVAILABLE, reason="needs Linux /proc")
 
-TWO_NODES = [(2, 1), (2, 0)]
 # Only the freeze bound (0.5 s) can find a frozen worker here; a stalled heartbeat takes a minute.
 FREEZE_ONLY = ["--lease-timeout", "1.5", "--hang-timeout", "60", "--spare-timeout", "30", "--join-timeout", "60"]
-
-
-@pytest.fixture
-def run(tmp_path):
-    jobs = []
-
-    def start(**kwargs):
-        job = Job(tmp_path / f"job{len(jobs)}", kwargs.pop("nodes", TWO_NODES), steps=STEPS,
-                  agent_args=kwargs.pop("agent_args", FAST), **kwargs)
-        jobs.append(job)
-        return job
-
-    yield start
-    for job in jobs:
-        job.close()
 
 
 def exits(job):
