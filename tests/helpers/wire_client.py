@@ -136,7 +136,10 @@ class Rig:
         self.replicas.reserve(0, self.source_store.memory()["bytes_per_version"])
         self.server = _C.TcpServer(self.replicas, self.own_store.native, secret=SECRET, rank=1, io_timeout_ms=1000)
         self.address = ("127.0.0.1", self.server.port)
-        self.transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=2)
+        # The client's io timeout as the server's, as a job configures both ends: it reopens a pooled
+        # connection idle for half of it, before the server closes it. With the default (30 s) it reused
+        # connections the server had closed after 1 s, and under load a describe met one mid-close.
+        self.transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=2, io_timeout_ms=1000)
         self.transport.add_peer(1, *self.address)
         replicator = _C.Replicator(self.source_store.native, self.transport, 0)
         replicator.replicate(1, [1])
