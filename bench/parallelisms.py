@@ -1,5 +1,6 @@
 """Recovery, step overhead and goodput of the DeviceMesh examples: HSDP, FSDP2 +
-tensor parallelism and a 2-stage pipeline (examples/), over gloo on this machine.
+tensor parallelism, a 2-stage pipeline and the torchtitan-shaped trainer in its
+FSDP2+TP and HSDP layouts (examples/), over gloo on this machine.
 
 Each example runs three times under `peerstate run`, 2 simulated nodes x 2
 workers + 1 hot spare, in the same bench run:
@@ -20,7 +21,7 @@ The restart row is a floor for restarting instead: ``off``'s time from launch
 to its first step's end (processes, imports, groups, one step), which a
 restart pays before it even loads a checkpoint.
 
-Run: python bench/parallelisms.py [--quick] [--steps 60] [--width 1024]
+Run: python bench/parallelisms.py [--quick] [--steps 60] [--width 1024] [--examples hsdp,trainer-hsdp]
 (writes bench/results/parallelisms.json)
 """
 
@@ -40,7 +41,10 @@ from peerstate.tools.local import LocalJob
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples"
 RESULTS = HERE / "results" / "parallelisms.json"
-CASES = {"hsdp": "hsdp.py", "fsdp-tp": "fsdp_tp.py", "pipeline": "pipeline.py"}
+# example -> its script and arguments; the trainer is torchtitan's shape (meshes from job.build_meshes,
+# model parts and containers) in two of its layouts.
+CASES = {"hsdp": ["hsdp.py"], "fsdp-tp": ["fsdp_tp.py"], "pipeline": ["pipeline.py"],
+         "trainer-fsdp-tp": ["trainer.py", "--layout", "fsdp_tp"], "trainer-hsdp": ["trainer.py", "--layout", "hsdp"]}
 
 
 def run(example: str, steps: int, width: int, capture: bool, kill_step: Optional[int] = None,
@@ -53,7 +57,8 @@ def run(example: str, steps: int, width: int, capture: bool, kill_step: Optional
         with tempfile.TemporaryDirectory(prefix="peerstate-parallelisms-") as tmp:
             launched = time.time()
             job = LocalJob(Path(tmp), [(2, 1), (2, 0)],
-                           [str(EXAMPLES / CASES[example]), "--steps", str(steps), "--width", str(width)],
+                           [str(EXAMPLES / CASES[example][0]), *CASES[example][1:], "--steps", str(steps),
+                            "--width", str(width)],
                            agent_args=agent_args)
             try:
                 codes = job.wait(timeout)
@@ -100,10 +105,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3, help="rounds per example (medians)")
+    parser.add_argument("--examples", default=",".join(CASES),
+                        help="which (comma-separated); the rows of the others in the results file are kept")
     args = parser.parse_args()
     steps, width, repeat = (30, 256, 1) if args.quick else (args.steps, args.width, args.repeat)
     rows = []
-    for example in CASES:
+    for example in args.examples.split(","):
         rounds = [measure(example, steps, width, kill_step=steps // 3) for _ in range(repeat)]
         row = {key: value for key, value in rounds[0].items() if key != "phases_s"}
         for key in ("step_off_ms", "step_on_ms", "overhead_pct", "recovery_s", "restart_floor_s",
@@ -114,15 +121,17 @@ def main() -> None:
         row["per_round"] = [{key: r[key] for key in ("recovery_s", "phases_s", "goodput_vs_off", "overhead_pct")}
                             for r in rounds]  # medians hide a slow tail: every round is kept
         rows.append(row)
-    print(f"{'example':<10} {'step off ms':>11} {'step on ms':>10} {'overhead':>9} {'recovery s':>10} "
+    print(f"{'example':<16} {'step off ms':>11} {'step on ms':>10} {'overhead':>9} {'recovery s':>10} "
           f"{'restart floor s':>15} {'floor/recovery':>14} {'goodput vs off':>14} {'vs on':>7}")
     for row in rows:
-        print(f"{row['example']:<10} {row['step_off_ms']:>11.2f} {row['step_on_ms']:>10.2f} "
+        print(f"{row['example']:<16} {row['step_off_ms']:>11.2f} {row['step_on_ms']:>10.2f} "
               f"{row['overhead_pct']:>8.1f}% {row['recovery_s']:>10.3f} {row['restart_floor_s']:>15.2f} "
               f"{row['restart_floor_over_recovery']:>13.1f}x {row['goodput_vs_off']:>13.1%} "
               f"{row['goodput_vs_on']:>6.1%}")
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(rows, indent=1))
+    kept = [row for row in json.loads(RESULTS.read_text()) if row["example"] not in args.examples.split(",")] \
+        if RESULTS.exists() else []
+    RESULTS.write_text(json.dumps(kept + rows, indent=1))
     for row in rows:
         print(f"{row['example']}: recovery per round " + ", ".join(f"{r['recovery_s']:.3f}s" for r in row["per_round"]))
     print(f"wrote {RESULTS}")
