@@ -178,7 +178,7 @@ class Job:
                                     connect_timeout=min(abort_timeout / 10, FORM_CONNECT_TIMEOUT))
         self.membership = Membership(env.worker, spare=env.spare)
         self.tracked = TrackedState(nodes, k, data_parallel_shares, versions, snapshot_threads)
-        self._meshes: List[DeclaredMesh] = []
+        self._meshes: List[Union[DeclaredMesh, BuiltMeshes]] = []
         self.wrappers = DistributedWrappers(self.kv)
         self.checkpoints = checkpoints = DiskCheckpoints(self.tracked, self.wrappers,
                                                          checkpoint_dir or env.checkpoint_dir,
