@@ -108,6 +108,25 @@ def test_under_strict_a_resume_that_is_not_bitwise_stops_the_job(run):
     assert "the job cannot go on: --strict: rank 2 (n0.2)" in summary and "no longer bitwise" in summary, summary
 
 
+def test_a_process_group_timeout_past_the_abort_bounds_is_kept_and_said(run):
+    # torchtitan sets every group's timeout after its first step (100 s by default); a gloo
+    # collective that waited that long would hold the loop past the abort deadline. Kept at
+    # the bound (Job(abort_timeout=30) / 2), said on the console at once and in the summary.
+    job = run(script_args=["--pg-timeout", "3600"])
+    assert job.wait() == [0, 0], job.describe()
+    for node, ranks in ((0, (0, 1)), (1, (2, 3))):
+        console = job.agent_logs[node].read_text()
+        said = re.findall(r"rank (\d) \(n\d\.\d\) at step \d+: peerstate overrode a call of the script: torch\."
+                          r"distributed\.distributed_c10d\._set_pg_timeout\(3600s\) on process group '0' was kept at "
+                          r"15s", console)
+        assert sorted(said) == sorted(2 * [str(r) for r in ranks]), console  # at once, and in the summary
+        assert f"node {node}'s ranks finished, but peerstate overrode calls of the script (2 finding(s)" in console
+    job = run(script_args=["--pg-timeout", "3600"], agent_args=[*FAST, "--strict"])
+    assert job.wait() == [1, 1], job.describe()
+    summary = job.agent_logs[0].read_text()
+    assert "the job cannot go on: --strict: rank" in summary and "was kept at 15s" in summary, summary
+
+
 def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):
     # Survivors pull the data-parallel share they lack at each recovery. Steps of half a
     # second: the second kill waits for the refilled spare, and for rank 3's first copy

@@ -5,6 +5,7 @@ same data. At the end rank 0 writes the final parameters to --out.
 """
 
 import argparse
+import datetime
 import os
 import sys
 import time
@@ -56,6 +57,8 @@ parser.add_argument("--undeclared-group", action="store_true",
                     help="create a group with torch.distributed.new_group after track(), which peerstate cannot abort")
 parser.add_argument("--init-process-group", choices=["before", "after"], default=None,
                     help="call torch.distributed.init_process_group before or after peerstate.Job()")
+parser.add_argument("--pg-timeout", type=float, default=None, metavar="SECONDS",
+                    help="after step 1, set every group's timeout to SECONDS, as torchtitan's set_pg_timeouts does")
 parser.add_argument("--step-function", action="store_true",
                     help="run each step through the job.guarded decorator instead of `with job.guard():`")
 parser.add_argument("--report-ports", action="store_true",
@@ -196,6 +199,8 @@ for step in job.steps(args.steps):
     else:
         with job.guard():
             train_step(step)
+    if args.pg_timeout and step == 1:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=args.pg_timeout))
     if args.trace:
         digest = sum(float((p.to_local() if args.fsdp else p).double().sum()) for p in model.parameters())
         print(f"rank {job.rank} step {step} params {digest!r} lr {optimizer.param_groups[0]['lr']!r}", flush=True)

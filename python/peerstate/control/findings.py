@@ -1,7 +1,8 @@
 """Findings: what a worker detects that makes its run no longer bitwise equal to
 a fault-free one (a replacement's RNG states changed between its restore and its
 first step: a seed set or a random draw after ``track()``, a batch prefetched
-across steps). A worker reports each to its agent through the node channel; the
+across steps), or a call of the script that peerstate overrode to keep its
+bounds (``OVERRIDDEN``: a process-group timeout past them). A worker reports each to its agent through the node channel; the
 agent says it on ``peerstate run``'s console at once, lists every one in its
 closing summary, and under ``--strict`` stops the job. Said in the worker's log
 alone, a finding went unread: the run ended with exit code 0 and different
@@ -18,16 +19,22 @@ from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.timeline import EventLog
 
 
-def report_finding(channel: KeyValueStore, rank: int, worker: str, step: int, cause: str) -> None:
+NOT_BITWISE = "not_bitwise"
+OVERRIDDEN = "overridden"
+
+
+def report_finding(channel: KeyValueStore, rank: int, worker: str, step: int, cause: str,
+                   kind: str = NOT_BITWISE) -> None:
     """Hand one finding to this worker's agent (``channel``: its node channel)."""
     index = channel.add(keys.FINDINGS, 1)
     channel.set(keys.finding(index), json.dumps({"rank": rank, "worker": worker, "step": step,
-                                                 "cause": cause}).encode())
+                                                 "cause": cause, "kind": kind}).encode())
 
 
 def describe(finding: dict) -> str:
-    return (f"rank {finding['rank']} ({finding['worker']}) at step {finding['step']}: this run is no longer bitwise "
-            f"equal to a fault-free one: {finding['cause']}")
+    what = ("this run is no longer bitwise equal to a fault-free one: "
+            if finding.get("kind", NOT_BITWISE) == NOT_BITWISE else "peerstate overrode a call of the script: ")
+    return f"rank {finding['rank']} ({finding['worker']}) at step {finding['step']}: {what}{finding['cause']}"
 
 
 class FindingsReader:
@@ -56,7 +63,7 @@ class FindingsReader:
         """Say each new finding on the console and in the event log; ``stop`` (under
         --strict) is handed the first one's description and stops the job."""
         for finding in self.new():
-            events.write("not_bitwise", **finding)
+            events.write(finding.get("kind", NOT_BITWISE), **finding)
             print(f"peerstate: {describe(finding)}", file=sys.stderr, flush=True)
             if stop is not None:
                 stop(f"--strict: {describe(finding)}")
@@ -65,5 +72,8 @@ class FindingsReader:
         """The closing summary: every finding again, where a user reads last."""
         if self.found:
             lines = "\n".join(f"  {describe(f)}" for f in self.found)
-            print(f"peerstate: {ending}, but the run is not bitwise equal to a fault-free one ({len(self.found)} "
-                  f"finding(s); --strict stops the job at the first):\n{lines}", file=sys.stderr, flush=True)
+            but = ("the run is not bitwise equal to a fault-free one"
+                   if any(f.get("kind", NOT_BITWISE) == NOT_BITWISE for f in self.found)
+                   else "peerstate overrode calls of the script")
+            print(f"peerstate: {ending}, but {but} ({len(self.found)} finding(s); --strict stops the job at the "
+                  f"first):\n{lines}", file=sys.stderr, flush=True)

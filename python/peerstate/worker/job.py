@@ -58,7 +58,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.environment import WorkerEnvironment
-from peerstate.control.findings import report_finding
+from peerstate.control.findings import OVERRIDDEN, report_finding
 from peerstate.control.kvstore import TorchKeyValueStore, open_store
 from peerstate.control.messages import RecoveryPlan
 from peerstate.control.progress import ProgressCounter
@@ -79,6 +79,7 @@ from peerstate.worker.regroup import BusyPeerRegroup
 from peerstate.worker.report import RecoveryReport
 from peerstate.worker.restorer import Restorer
 from peerstate.worker.resume import CheckpointResume
+from peerstate.worker.script_timeouts import claim_pg_timeouts, release_pg_timeouts
 from peerstate.worker.step_boundary import StepBoundary, StepGuard
 from peerstate.worker.tracked_state import TrackedState
 
@@ -176,6 +177,8 @@ class Job:
         # before the deadline (the members reach form() together: a join is a barrier).
         self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,
                                     connect_timeout=min(abort_timeout / 10, FORM_CONNECT_TIMEOUT))
+        claim_pg_timeouts(self.groups, lambda message: report_finding(self.channel, self.rank, self.worker,
+                                                                      self.next_step, message, OVERRIDDEN))
         self.membership = Membership(env.worker, spare=env.spare)
         self.tracked = TrackedState(nodes, k, data_parallel_shares, versions, snapshot_threads)
         self._meshes: List[Union[DeclaredMesh, BuiltMeshes]] = []
@@ -483,6 +486,7 @@ class Job:
         self.wrappers.close()
         self.groups.destroy()
         release_default_group()
+        release_pg_timeouts()
         self.tracked.close()
         if self.progress:
             self.progress.exiting()

@@ -158,6 +158,8 @@ class ProcessGroups:
         self._forming_size, self._forming_epoch = 0, -1
         self._rendezvous: Any = None       # the rendezvous store while form() runs
         self._abort_epoch = -1             # the newest epoch that asked for an abort
+        self._waits: Dict[str, float] = {}  # gloo: the wait this object gave each group, by group name
+        self._asked: Dict[str, float] = {}  # the waits the script set itself (script_timeout), by group name
         self._lock = threading.Lock()
 
     def form(self, kv, epoch: int, rank: int, world_size: int, timeout: float,
@@ -271,11 +273,32 @@ class ProcessGroups:
                                              **{"timeout": datetime.timedelta(seconds=timeout), **subgroup.options})
 
     def _set_wait(self, group: Any, seconds: float) -> None:
-        """How long ``group``'s gloo collectives wait (see the module docstring)."""
+        """How long ``group``'s gloo collectives wait (see the module docstring), or
+        less where the script asked for less (``script_timeout``)."""
         if self.backend == "gloo":
             import torch.distributed as dist
 
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+            name = dist.distributed_c10d._world.pg_names.get(group)
+            if name is not None:
+                self._waits[name] = seconds
+            set_pg_timeout = dist.distributed_c10d._set_pg_timeout
+            set_pg_timeout = getattr(set_pg_timeout, "__wrapped_by_peerstate__", set_pg_timeout)
+            set_pg_timeout(datetime.timedelta(seconds=min(seconds, self._asked.get(name, seconds))), group)
+
+    def script_timeout(self, group: Any, seconds: float) -> float:
+        """The timeout ``group`` gets when the script sets it to ``seconds`` after
+        ``Job()``: at most the wait this object gave it (a gloo group peerstate formed:
+        a longer wait could hold the loop past the abort deadline), and kept through
+        every re-formation of the group, so a shorter one lasts. Any other group (NCCL,
+        whose abort ends a collective whatever its timeout; a group not formed here)
+        gets ``seconds``."""
+        import torch.distributed as dist
+
+        name = dist.distributed_c10d._world.pg_names.get(group)
+        if name not in self._waits:
+            return seconds
+        self._asked[name] = seconds
+        return min(seconds, self._waits[name])
 
     def abort(self, new_epoch: int) -> None:
         """Make every collective of these groups, or their rendezvous, fail now because
@@ -341,6 +364,7 @@ class ProcessGroups:
             self.epoch = None
             self._sockets = set()
             self._formed = set()
+            self._waits = {}
         for declared in self._declared:
             declared.dissolve()
         if dist.is_initialized():
