@@ -43,7 +43,7 @@ def test_a_longer_timeout_is_kept_at_peerstates_a_shorter_one_lasts_through_refo
     declared.group.set_timeout(datetime.timedelta(seconds=100))
     assert waits(default, declared.group) == [30, 30]
     [said] = cut  # once per process, naming the call, the group and what it was kept at
-    assert "distributed_c10d._set_pg_timeout(100s) on process group '0' was kept at 30s" in said, said
+    assert "torch.distributed.distributed_c10d._set_pg_timeout(100s) on process group '0' was kept at 30s" in said, said
     assert "Raise Job(abort_timeout=...)" in said
 
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=5), declared.group)
@@ -52,7 +52,12 @@ def test_a_longer_timeout_is_kept_at_peerstates_a_shorter_one_lasts_through_refo
     groups.form(kv, 1, rank=0, world_size=1, timeout=10)  # a recovery's re-formation
     default = dist.distributed_c10d._get_default_group()
     assert waits(default, declared.group) == [30, 5]
-    groups.abort(2)  # peerstate's own bound after an abort still applies
+    groups.destroy()
+    groups.collective_timeout = 60  # a regroup's plan doubled peerstate's own wait
+    groups.form(kv, 2, rank=0, world_size=1, timeout=10)
+    default = dist.distributed_c10d._get_default_group()
+    assert waits(default, declared.group) == [60, 5]
+    groups.abort(3)  # peerstate's own bound after an abort still applies
     assert waits(default, declared.group) == [1, 1]
     assert len(cut) == 1
 

@@ -91,6 +91,12 @@ from peerstate.errors import TimeoutError as PeerstateTimeoutError
 from peerstate.worker.meshes import DeclaredMesh
 
 AFTER_ABORT_WAIT = 1.0  # seconds a gloo wait that starts after an abort may take (ProcessGroups.abort)
+_setting_own_wait = threading.local()  # set while this module sets a timeout (script_timeouts lets it through)
+
+
+def setting_own_wait() -> bool:
+    """Whether the calling thread is inside peerstate's own setting of a group's timeout."""
+    return getattr(_setting_own_wait, "active", False)
 
 
 def _open_sockets() -> Iterator[Tuple[int, str]]:
@@ -281,9 +287,12 @@ class ProcessGroups:
             name = dist.distributed_c10d._world.pg_names.get(group)
             if name is not None:
                 self._waits[name] = seconds
-            set_pg_timeout = dist.distributed_c10d._set_pg_timeout
-            set_pg_timeout = getattr(set_pg_timeout, "__wrapped_by_peerstate__", set_pg_timeout)
-            set_pg_timeout(datetime.timedelta(seconds=min(seconds, self._asked.get(name, seconds))), group)
+            set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # 2.14 renamed it
+            _setting_own_wait.active = True
+            try:
+                set_timeout(datetime.timedelta(seconds=min(seconds, self._asked.get(name, seconds))), group)
+            finally:
+                _setting_own_wait.active = False
 
     def script_timeout(self, group: Any, seconds: float) -> float:
         """The timeout ``group`` gets when the script sets it to ``seconds`` after

@@ -1,25 +1,31 @@
 """Process-group timeouts a training script sets after ``Job()``.
 
 Trainers set them once training runs (torchtitan's ``set_pg_timeouts`` after its
-first step, through ``torch.distributed.distributed_c10d._set_pg_timeout``; others
-with ``ProcessGroup.set_timeout``). With gloo, a group's timeout is what ends the
-waits no abort wakes (``process_groups``), so a longer one set by the script would
-hold the loop past ``Job(abort_timeout=...)``. Both calls are therefore kept to
-``ProcessGroups.script_timeout``: at most peerstate's wait, a shorter one honoured
-and kept through re-formations. A call that was cut is said once per process as a
-finding (``control.findings``: on ``peerstate run``'s console and in its summary;
-``--strict`` stops the job) and every time in the worker's log. Not covered: a
-backend object's own ``_set_default_timeout``, which no trainer we know calls.
+first step: ``torch.distributed.set_timeout`` from torch 2.14, ``_set_pg_timeout``
+before; others ``ProcessGroup.set_timeout``). With gloo, a group's timeout is what
+ends the waits no abort wakes (``process_groups``), so a longer one set by the
+script would hold the loop past ``Job(abort_timeout=...)``. Every one of these
+calls is therefore kept to ``ProcessGroups.script_timeout``: at most peerstate's
+wait, a shorter one honoured and kept through re-formations. A call that was cut
+is said once per process as a finding (``control.findings``: on ``peerstate
+run``'s console and in its summary; ``--strict`` stops the job) and every time in
+the worker's log. Not covered: a backend object's own ``_set_default_timeout``,
+which no trainer we know calls.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import importlib
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
-from peerstate.worker.process_groups import ProcessGroups
+from peerstate.worker.process_groups import ProcessGroups, setting_own_wait
+
+# The functions (timeout, group=None) a script sets a group's timeout with, where this torch has them.
+_FUNCTIONS = (("torch.distributed", "set_timeout"), ("torch.distributed.distributed_c10d", "set_timeout"),
+              ("torch.distributed.distributed_c10d", "_set_pg_timeout"))
 
 
 def claim_pg_timeouts(groups: ProcessGroups, on_first_cut: Callable[[str], None]) -> None:
@@ -29,9 +35,7 @@ def claim_pg_timeouts(groups: ProcessGroups, on_first_cut: Callable[[str], None]
     import torch.distributed as dist
 
     c10d = dist.distributed_c10d
-    original_set_pg_timeout = _original(c10d._set_pg_timeout)
-    original_set_timeout = _original(dist.ProcessGroup.set_timeout)
-    said = []
+    said: List[str] = []
 
     def kept(call: str, timeout: datetime.timedelta, group: Any) -> datetime.timedelta:
         asked = timeout.total_seconds()
@@ -47,27 +51,44 @@ def claim_pg_timeouts(groups: ProcessGroups, on_first_cut: Callable[[str], None]
                 on_first_cut(message)
         return datetime.timedelta(seconds=allowed)
 
-    @functools.wraps(original_set_pg_timeout)
-    def set_pg_timeout(timeout: datetime.timedelta, group: Optional[Any] = None) -> None:
-        target = c10d._get_default_group() if group is None else group
-        original_set_pg_timeout(kept("torch.distributed.distributed_c10d._set_pg_timeout", timeout, target), group)
+    def function(original: Callable[..., None], call: str) -> Callable[..., None]:
+        @functools.wraps(original)
+        def set_timeout(timeout: datetime.timedelta, group: Optional[Any] = None) -> None:
+            if setting_own_wait():
+                return original(timeout, group)
+            target = c10d._get_default_group() if group is None else group
+            return original(kept(call, timeout, target), group)
+        return set_timeout
 
-    @functools.wraps(original_set_timeout)
-    def set_timeout(self: Any, timeout: datetime.timedelta) -> None:
-        original_set_timeout(self, kept("ProcessGroup.set_timeout", timeout, self))
+    def method(original: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(original)
+        def set_timeout(self: Any, timeout: datetime.timedelta) -> None:
+            if setting_own_wait():
+                return original(self, timeout)
+            return original(self, kept("ProcessGroup.set_timeout", timeout, self))
+        return set_timeout
 
-    set_pg_timeout.__wrapped_by_peerstate__ = original_set_pg_timeout
-    set_timeout.__wrapped_by_peerstate__ = original_set_timeout
-    c10d._set_pg_timeout = set_pg_timeout
-    dist.ProcessGroup.set_timeout = set_timeout
+    for owner, name, original in _present():
+        wrapper = (method(original) if owner is dist.ProcessGroup
+                   else function(original, f"{owner.__name__}.{name}"))
+        wrapper.__wrapped_by_peerstate__ = original
+        setattr(owner, name, wrapper)
 
 
 def release_pg_timeouts() -> None:
+    for owner, name, original in _present():
+        setattr(owner, name, original)
+
+
+def _present() -> List[Tuple[Any, str, Callable[..., Any]]]:
+    """(owner, name, torch's own function) of every timeout call this torch has."""
     import torch.distributed as dist
 
-    dist.distributed_c10d._set_pg_timeout = _original(dist.distributed_c10d._set_pg_timeout)
-    dist.ProcessGroup.set_timeout = _original(dist.ProcessGroup.set_timeout)
-
-
-def _original(function: Callable[..., Any]) -> Callable[..., Any]:
-    return getattr(function, "__wrapped_by_peerstate__", function)
+    owners = [(importlib.import_module(module), name) for module, name in _FUNCTIONS]
+    owners.append((dist.ProcessGroup, "set_timeout"))
+    present = []
+    for owner, name in owners:
+        found = getattr(owner, name, None)
+        if found is not None:
+            present.append((owner, name, getattr(found, "__wrapped_by_peerstate__", found)))
+    return present
