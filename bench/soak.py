@@ -220,7 +220,7 @@ def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
     completed = sorted((e["epoch"], max(m.get("first step", 0.0) for m in e["marks"].values()), e)
                        for e in events if e["event"] == "recovery" and e.get("marks"))
     fallbacks = {e["epoch"] for e in events if e["event"] == "checkpoint_fallback"}
-    # A rank's first copy goes to its buddy a step after a recovery (README: "a second failure of
+    # A rank's first copy goes to its buddy a step after a recovery (docs/recovery.md: "a second failure of
     # their ranks within that window is a loss"); after a fallback, that is from the checkpoint again.
     no_copy_yet = {e["epoch"] for e in events if e["event"] == "checkpoint_fallback"
                    and "no committed copy on any holder yet" in e.get("message", "")}

@@ -160,7 +160,7 @@ def parser() -> argparse.ArgumentParser:
 
     model = commands.add_parser(
         "goodput", help="expected goodput vs cluster size: checkpoint-restart, in-memory restart, peerstate",
-        description="The goodput model (formulas and sources: peerstate/goodput.py and the README). "
+        description="The goodput model (formulas and sources: peerstate/goodput.py and docs/recovery.md). "
                     "peerstate's overhead and recovery time are read from the benchmark results.")
     model.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="accelerator counts")
     model.add_argument("--results", default="bench/results", help="where overhead.json and recovery.json are")

@@ -127,7 +127,7 @@ def test_a_two_node_agent_without_a_secret_stops_before_any_worker_starts(monkey
         Agent(AgentConfig(script=["train.py"], nproc_per_node=1, nnodes=2, store="127.0.0.1:1", log_dir=str(tmp_path)))
 
 
-# Which subpackages each plane may import (README, "Layout"): imports flow one way.
+# Which subpackages each plane may import (docs/layout.md): imports flow one way.
 MAY_NOT_IMPORT = {
     "state": ("replication", "control", "worker", "launcher", "tools", "demo"),
     "replication": ("worker", "launcher", "tools", "demo"),  # it names store keys through control.keys

@@ -131,7 +131,7 @@ def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):
     # Survivors pull the data-parallel share they lack at each recovery. Steps of half a
     # second: the second kill waits for the refilled spare, and for rank 3's first copy
     # after the recovery to reach its holder, the replacement of rank 1 (a kill before it
-    # is the one-step window the README states: rank 3 would be lost), and must land before
+    # is the one-step window docs/recovery.md states: rank 3 would be lost), and must land before
     # the job's last step (15 s in). (Sequences of every kind, replicated state included in
     # their single-kill forms, are the soak's.)
     job = run(script_args=["--step-seconds", "0.5", "--data-parallel"])

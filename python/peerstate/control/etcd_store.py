@@ -32,7 +32,7 @@ member answers "unavailable" (no leader during an election), is sent to the
 next endpoint, backing off to 0.5 s after each round of all of them. Past
 ``unavailable_timeout`` seconds without an answer the call raises
 ``StoreUnavailableError``, which names the endpoints and the bound: the agent
-then stops its workers (see the README, "A replicated store"). A write whose
+then stops its workers (see docs/operations.md). A write whose
 answer was lost with its member is sent again: harmless for ``set`` and
 ``compare_set``; an ``add`` may then count twice (the lease counters only move
 faster; the job's tallies compare with ``>=``).

@@ -11,8 +11,9 @@ recovery plans (through the Coordinator) when it sees a failure, relays the
 recovery protocol between its workers and the job's store through a node
 channel it hosts on loopback (``NodeRelay``; as an epoch's owner it writes
 every node's instructions), refills its spare pool, lands the faults of
-``--inject`` (``fault_delivery``), and never restarts a healthy worker. It exits 0 when every rank finished, and otherwise non-zero
-with a one-paragraph summary.
+``--inject`` (``fault_delivery``), and never restarts a healthy worker. It
+exits 0 when every rank finished, and otherwise non-zero with a one-paragraph
+summary.
 
 Worker names are ``n{node}.{k}``: the first ``nproc_per_node`` are the initial
 workers (rank = node * nproc_per_node + k), the rest are spares.
@@ -341,8 +342,8 @@ class Agent:
             print(f"peerstate: {message}", file=sys.stderr, flush=True)
             return
         self._fail(f"{message}\nThe script fails on every hot spare before track() returns. A spare has no RANK "
-                   "until track() gives it one, and its LOCAL_RANK is provisional (README, 'What a training script "
-                   "must and must not do'): code before track() must not depend on the rank.")
+                   "until track() gives it one, and its LOCAL_RANK is provisional (docs/training-script.md, 'What a "
+                   "training script must and must not do'): code before track() must not depend on the rank.")
 
     def _report(self, workers: List[str], reason: str, detected_at: float) -> None:
         """Write the recovery plan off the watch loop (waiting for a spare takes a while)."""

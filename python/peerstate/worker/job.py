@@ -395,8 +395,8 @@ class Job:
             cause = (f"it was restored to step {self.next_step - 1} inside track(), RNG states included, and they "
                      "changed before its first step: a seed set (torch.manual_seed, random.seed, numpy.random.seed) "
                      "or a random draw made after track() (a batch prefetched across steps draws too) replaced "
-                     "them. Seed before Job() and track(), or draw from a generator seeded by the step (README, "
-                     "'What a training script must and must not do').")
+                     "them. Seed before Job() and track(), or draw from a generator seeded by the step "
+                     "(docs/training-script.md, 'What a training script must and must not do').")
             print(f"peerstate: rank {self.rank} {cause}", file=sys.stderr, flush=True)
             self.events.write("rng_changed_after_restore", rank=self.rank, step=self.next_step)
             report_finding(self.channel, self.rank, self.worker, self.next_step, cause)  # on its agent's console
