@@ -1,5 +1,5 @@
-"""Hung workers kept frozen for their replacements (issue #20: nothing a
-survivor holds is declared lost).
+"""Hung workers kept frozen for their replacements, so that nothing a hung
+worker holds is declared lost.
 
 A hung worker's memory still holds its own snapshot and the replicas it keeps
 for its buddies. Instead of killing it at once, its agent stops it (SIGSTOP:

@@ -36,16 +36,14 @@ from peerstate.worker.tracked_state import TrackedState
 # and forming takes milliseconds; a member that dies in it holds the others until the
 # epoch that replaces it aborts the formation (the abort ends gloo's wait for a peer that
 # was to connect: see process_groups), or five times this if no epoch does (a member that
-# is late, not lost). Before that abort, the soak met this wait at abort_timeout / 10 =
-# 6 s: 30 s with no step; then at RECOVERY_CONNECT_TIMEOUT, 2.5 s.
+# is late, not lost).
 FORM_CONNECT_TIMEOUT = 2.0
 # A recovery's formation starts under this one instead: a member killed in the middle of it
-# (a second kill during a recovery) held the others 10 s under FORM_CONNECT_TIMEOUT, with
-# no step, about one recovery in ten in the soak; a formation there took 0.11 s at the
-# median and 0.31 s at most (104 of them, the members' arrival included, on a machine also
-# running the e2e tests). It doubles after each formation timeout that no loss explains
-# (a slower machine), up to FORM_CONNECT_TIMEOUT. At epoch 0 a timeout stops the job, so
-# that formation takes the whole FORM_CONNECT_TIMEOUT.
+# (a second kill during a recovery) would hold the others five times FORM_CONNECT_TIMEOUT
+# with no step, while a formation takes ~0.1 s at the median and ~0.3 s at most on a
+# loaded 2-core machine (the members' arrival included). It doubles after each formation
+# timeout that no loss explains (a slower machine), up to FORM_CONNECT_TIMEOUT. At epoch 0
+# a timeout stops the job, so that formation takes the whole FORM_CONNECT_TIMEOUT.
 RECOVERY_CONNECT_TIMEOUT = 0.5
 # After a formation timed out, how long a member waits for a newer epoch before it asks
 # for a regroup: a killed member's failure is declared in milliseconds. (A frozen one's
@@ -56,8 +54,8 @@ FORMATION_GRACE = 1.0
 # (the rank exits), rather than regrouping for ever.
 MAX_FORMATION_REGROUPS = 3
 # How often a member waiting for its instructions looks for a newer epoch (a wait on the
-# node channel, its agent's: no load on the job's store). At 0.5 s the soak's survivors
-# noticed a superseding epoch 0.25-0.5 s late, a third of their recovery.
+# node channel, its agent's: no load on the job's store). Slower, a survivor notices a
+# superseding epoch late by up to this much, which at 0.5 s was a third of a recovery.
 INSTRUCTIONS_POLL = 0.05
 
 
