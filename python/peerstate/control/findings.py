@@ -2,11 +2,11 @@
 a fault-free one (a replacement's RNG states changed between its restore and its
 first step: a seed set or a random draw after ``track()``, a batch prefetched
 across steps), or a call of the script that peerstate overrode to keep its
-bounds (``OVERRIDDEN``: a process-group timeout past them). A worker reports each to its agent through the node channel; the
-agent says it on ``peerstate run``'s console at once, lists every one in its
-closing summary, and under ``--strict`` stops the job. Said in the worker's log
-alone, a finding went unread: the run ended with exit code 0 and different
-parameters."""
+bounds (``OVERRIDDEN``: a process-group timeout past them). A worker reports
+each to its agent through the node channel; the agent says it on ``peerstate
+run``'s console at once, lists every one in its closing summary, and under
+``--strict`` stops the job. Said in the worker's log alone, a finding went
+unread: the run ended with exit code 0 and different parameters."""
 
 from __future__ import annotations
 
