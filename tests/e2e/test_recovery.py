@@ -3,6 +3,7 @@ signals. Every faulty run must end with the parameters of the fault-free run,
 bit for bit."""
 
 import os
+import platform
 import re
 import signal
 import time
@@ -245,6 +246,28 @@ def test_a_replacement_frozen_while_it_recovers_is_found_by_its_liveness_and_nob
     assert len(exits) == 2 and exits[1] == (2, "hung: frozen (stopped by a signal, state T) and was killed"), exits
 
 
+SLEEP_SYSCALLS = {"x86_64": ("35", "230"), "aarch64": ("101", "115")}  # nanosleep, clock_nanosleep
+
+
+def stop_between_watch_passes(agent):
+    """SIGSTOP an agent while its watch loop sleeps between two passes (its main thread in
+    a nanosleep), not part way through one: a pass stopped after it looked at one worker
+    would go on to see the other's exit alone (seen under load: two plans, not one)."""
+    sleeping = SLEEP_SYSCALLS.get(platform.machine())
+    if sleeping is None:
+        pytest.skip(f"no sleep syscall numbers for {platform.machine()}")
+    for _ in range(1000):
+        os.kill(agent, signal.SIGSTOP)
+        while open(f"/proc/{agent}/stat").read().rsplit(") ", 1)[1][0] != "T":
+            time.sleep(0.0005)
+        with open(f"/proc/{agent}/syscall") as f:
+            if f.read().split()[0] in sleeping:
+                return
+        os.kill(agent, signal.SIGCONT)
+        time.sleep(0.001)
+    raise AssertionError("the agent was never stopped between two passes of its watch loop in 1000 tries")
+
+
 def test_two_ranks_of_a_node_lost_in_one_watch_pass_are_recovered_together(run, reference):
     # Node 1's agent is held while both its ranks are killed, so its next pass sees the two
     # exits together: one plan replaces both (there were two recoveries, one after the other).
@@ -253,7 +276,7 @@ def test_two_ranks_of_a_node_lost_in_one_watch_pass_are_recovered_together(run, 
     job.wait_for_step(3, 3)
     pids = [job.pid_of(2), job.pid_of(3)]
     agent = job.agents[1].pid
-    os.kill(agent, signal.SIGSTOP)
+    stop_between_watch_passes(agent)
     try:
         for rank, pid in zip((2, 3), pids):
             job.signal_process(pid, signal.SIGKILL, f"rank {rank}")
