@@ -55,6 +55,35 @@ def test_a_held_interpreter_stops_the_heartbeat_but_not_the_liveness_count(worke
     assert not _advances(counter, 0) and _advances(counter, 2)
 
 
+def test_a_held_interpreter_prints_its_stacks_when_asked_and_runs_on(tmp_path):
+    # What the agent asks of a worker whose heartbeat stopped (environment.STACKS_SIGNAL):
+    # faulthandler answers from the signal, though the interpreter is held.
+    from peerstate.control.environment import STACKS_SIGNAL
+
+    path = str(tmp_path / "worker.progress")
+    progress.create(path)
+    log = tmp_path / "worker.log"
+    with open(log, "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-c", TICKING, path, "60"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        assert process.stdout.readline() == "ticking\n"
+        process.stdin.write("hold\n")
+        process.stdin.flush()
+        counter = progress.ProgressCounter(path)
+        deadline = time.monotonic() + 30
+        while _advances(counter, 0, 0.2):  # held: the heartbeat stands still
+            assert time.monotonic() < deadline, "the interpreter was never held"
+        process.send_signal(STACKS_SIGNAL)
+        while "(most recent call first)" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert '"<string>", line' in log.read_text() and process.poll() is None  # its stack; still running
+    finally:
+        process.kill()
+        process.wait()
+
+
 def test_a_frozen_process_stops_both(worker):
     process, counter = worker
     process.send_signal(signal.SIGSTOP)

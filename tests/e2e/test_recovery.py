@@ -177,6 +177,19 @@ def test_hung_worker_is_detected_by_its_progress_counter(run, reference):
     assert "hung" in exited["how"]
 
 
+def test_a_rank_whose_heartbeat_stops_in_its_loop_prints_its_stacks_before_it_is_frozen(run, reference):
+    # A rank stuck holding the GIL (as in a native call that never releases it) stops its
+    # heartbeat: its agent has it print every thread's stack to its log before it is frozen
+    # for its replacement and killed, so that the hang explains itself afterwards.
+    job = run(script_args=["--hold-gil-at", "1:5:600"])
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    [exited] = [e for e in job.events("process_exited") if e["rank"] == 1 and e["code"] != 0]
+    assert exited["how"].startswith("hung (its progress counter stopped)"), exited
+    log = (job.logs / f"{exited['worker']}.log").read_text()
+    assert "(most recent call first)" in log and "in hold_the_gil" in log and "in train_step" in log, log[-3000:]
+
+
 @pytest.mark.parametrize("script_args", [[], ["--data-parallel"]], ids=["replicated", "data-parallel"])
 def test_a_hung_rank_and_its_buddy_killed_before_the_hang_is_seen_both_come_back_from_its_memory(run, reference,
                                                                                                 script_args):

@@ -38,6 +38,8 @@ parser.add_argument("--raise-at", default=None, metavar="RANK:STEP[:always]",
 parser.add_argument("--hold-gil", default=None, metavar="RANK:SECONDS",
                     help="RANK holds the GIL for SECONDS before its first step, as some of torch's setup "
                          "collectives do while they wait for a slower peer (its heartbeat thread stands still)")
+parser.add_argument("--hold-gil-at", default=None, metavar="RANK:STEP:SECONDS",
+                    help="RANK holds the GIL for SECONDS in STEP, in an initial worker only (its heartbeat stops)")
 parser.add_argument("--sleep-after-loop", type=float, default=0.0, help="seconds between the loop and close()")
 parser.add_argument("--abort-timeout", type=float, default=30.0)
 parser.add_argument("--failure-grace", type=float, default=20.0)
@@ -146,7 +148,24 @@ ddp = model if args.fsdp else job.ddp(model)
 replacement_busy = [int(v) for v in args.replacement_busy.split(":")] if args.replacement_busy else None
 
 
+def hold_the_gil(seconds):
+    """As a native call that never releases the GIL: no other thread (the heartbeat's) runs."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 1)  # no other thread runs until this one blocks
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        pass
+    sys.setswitchinterval(interval)
+    print(f"rank {job.rank} held the GIL for {seconds}s", flush=True)
+
+
+hold_gil_at = [float(v) for v in args.hold_gil_at.split(":")] if args.hold_gil_at else None
+
+
 def train_step(step):
+    if hold_gil_at and job.rank == hold_gil_at[0] and step == hold_gil_at[1] and \
+            os.environ["PEERSTATE_ROLE"] == "worker":
+        hold_the_gil(hold_gil_at[2])
     if replacement_busy and job.rank == replacement_busy[0] and os.environ["PEERSTATE_ROLE"] != "worker" and \
             not os.path.exists(f"{args.out}.replacement-busy"):
         open(f"{args.out}.replacement-busy", "w").close()  # its own replacement is not
@@ -183,14 +202,7 @@ def train_step(step):
 
 
 if args.hold_gil and job.rank == int(args.hold_gil.split(":")[0]) and job.recoveries == 0:
-    seconds = float(args.hold_gil.split(":")[1])
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(seconds + 1)  # no other thread runs until this one blocks
-    until = time.monotonic() + seconds
-    while time.monotonic() < until:
-        pass
-    sys.setswitchinterval(interval)
-    print(f"rank {job.rank} held the GIL for {seconds}s", flush=True)
+    hold_the_gil(float(args.hold_gil.split(":")[1]))
 
 guarded_step = job.guarded(train_step)
 for step in job.steps(args.steps):

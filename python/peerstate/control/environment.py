@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import stat
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
@@ -31,6 +32,11 @@ from peerstate.errors import InvalidArgumentError
 
 # A worker that could not leave a blocked call within Job(abort_timeout=...) exits with this (EX_SOFTWARE).
 ABORT_DEADLINE_EXIT_CODE = 70
+
+# On this signal a worker prints every thread's stack to its log (faulthandler, registered with its
+# heartbeat: it needs no GIL, so it answers from a thread stuck in native code too). Its agent sends
+# it to a worker whose heartbeat stopped, before freezing or killing it, so a hang explains itself.
+STACKS_SIGNAL = signal.SIGUSR2
 
 # What a script that forms its own default group is told (by the worker, or by the agent when the
 # call failed before peerstate.Job(): rank 0 finds MASTER_PORT taken by the job's store).

@@ -19,11 +19,15 @@ the interpreter's teardown. The agent bounds each phase by what can stall it
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import mmap
 import os
+import signal
 import struct
 import threading
 from typing import Iterator, Optional
+
+from peerstate.control.environment import STACKS_SIGNAL
 
 _FORMAT = "<QqQ"
 _INDEX_OFFSET = struct.calcsize(_FORMAT)
@@ -90,6 +94,11 @@ class ProgressCounter:
         Python heartbeat as the sign that the liveness count runs too."""
         from peerstate import _C
 
+        # Before the first heartbeat, by which the agent knows it may ask (environment.STACKS_SIGNAL).
+        # fd 2 is the worker's log, whatever the script makes of sys.stderr. A handler the script
+        # set before is called after the dump; the default action (the end of the process) is not.
+        chain = signal.getsignal(STACKS_SIGNAL) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True, chain=chain)
         self._liveness = _C.LivenessTicker(self.path, _LIVENESS_OFFSET, interval)
 
         def bump() -> None:

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 from peerstate.control import keys
 from peerstate.control import progress as progress_file
 from peerstate.control.coordinator import Coordinator
-from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, WorkerEnvironment, job_secret
+from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, STACKS_SIGNAL, WorkerEnvironment, job_secret
 from peerstate.control.findings import FindingsReader
 from peerstate.control.kvstore import TorchKeyValueStore
 from peerstate.control.node_relay import NodeRelay
@@ -53,6 +53,7 @@ from peerstate.launcher.store_connection import open_job_store
 
 POLL_SECONDS = 0.005
 WATCH_SECONDS = 0.1
+STACKS_GRACE = 0.2  # seconds a hung worker is given to print its stacks (Agent._ask_for_stacks)
 SPARE_START_ATTEMPTS = 3  # spares in a row whose script fails before they are ready: then the job stops
 
 
@@ -403,6 +404,8 @@ class Agent:
                                           self.config.freeze_timeout)
             if cause and process.rank is not None and not process.hung:
                 process.hung = cause
+                if cause == "stalled":  # it runs: its stacks say where (a frozen one answers no signal)
+                    self._ask_for_stacks(process)
                 if self.stopped.freeze(process):  # reported now, killed once its replacement read it
                     self._report([process.worker],
                                  f"rank {process.rank} ({process.worker}) {process.describe_hang(held=True)}",
@@ -410,6 +413,16 @@ class Agent:
                     continue
                 os.killpg(process.popen.pid, signal.SIGKILL)  # reaped, and reported, by the next poll
         self.stopped.kill_released(now)
+
+    def _ask_for_stacks(self, process: WorkerProcess) -> None:
+        """Have a hung worker print every thread's stack to its log before it is frozen
+        or killed (``STACKS_SIGNAL``; it registered the dump before its first heartbeat).
+        Waits ``STACKS_GRACE`` for it: best effort on a busy node."""
+        try:
+            os.kill(process.popen.pid, STACKS_SIGNAL)
+        except OSError:
+            return
+        time.sleep(STACKS_GRACE)
 
     def _check_leases(self, now: float) -> None:
         """Declare the nodes of this agent's ring window whose lease stopped (see ``LeaseWatch``)."""
