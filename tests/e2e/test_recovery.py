@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 from helpers.jobs import FAST, STEPS, Job, assert_bitwise  # noqa: E402
 
 from peerstate.control.environment import ABORT_DEADLINE_EXIT_CODE  # noqa: E402
-from peerstate.tools.local import alive  # noqa: E402
 from peerstate.worker.checkpoint import latest_checkpoint  # noqa: E402
 
 
@@ -281,6 +280,20 @@ def stop_between_watch_passes(agent):
     raise AssertionError("the agent was never stopped between two passes of its watch loop in 1000 tries")
 
 
+# select(2) or pselect6(2), where the fork server waits between two rounds of reaping and reporting
+SELECT_SYSCALLS = {"x86_64": ("23", "270"), "aarch64": ("72",)}
+
+
+def reported_by_fork_server(pids, server):
+    """Whether the fork server ``server`` has reaped ``pids`` and told its agent: the
+    pids are gone and the server waits in its select(2), which it enters again only
+    once it has reported every child it reaped."""
+    if any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        return False
+    with open(f"/proc/{server}/syscall") as f:
+        return f.read().split()[0] in SELECT_SYSCALLS[platform.machine()]
+
+
 def test_two_ranks_of_a_node_lost_in_one_watch_pass_are_recovered_together(run, reference):
     # Node 1's agent is held while both its ranks are killed, so its next pass sees the two
     # exits together: one plan replaces both (there were two recoveries, one after the other).
@@ -288,12 +301,13 @@ def test_two_ranks_of_a_node_lost_in_one_watch_pass_are_recovered_together(run, 
     job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")
     job.wait_for_step(3, 3)
     pids = [job.pid_of(2), job.pid_of(3)]
+    [server] = {int(open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[1]) for pid in pids}  # the parent
     agent = job.agents[1].pid
     stop_between_watch_passes(agent)
     try:
         for rank, pid in zip((2, 3), pids):
             job.signal_process(pid, signal.SIGKILL, f"rank {rank}")
-        job.wait_for(lambda: not any(alive(pid) for pid in pids), "both deaths", timeout=10)
+        job.wait_for(lambda: reported_by_fork_server(pids, server), "both deaths, reported", timeout=10)
     finally:
         os.kill(agent, signal.SIGCONT)
     assert job.wait() == [0, 0], job.describe()

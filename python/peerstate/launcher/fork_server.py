@@ -90,7 +90,9 @@ class ForkServer:
     ``spawn`` blocks until the server has forked (the first call also waits for its
     preload, a few seconds); it raises JobFailedError when the server is gone or
     cannot fork (its preload failed: the reason is in ``log``). Thread-safe: the
-    agent's loop spawns, a reader thread takes the server's answers."""
+    agent's loop spawns, a reader thread takes the server's answers as they come, and
+    ``exit_code`` first takes in every answer the server has written by then (see
+    ``_take_answers``)."""
 
     def __init__(self, preload: List[str], env: Mapping[str, str], log: str) -> None:
         self.preload = list(preload)
@@ -110,6 +112,9 @@ class ForkServer:
         self._error: Optional[str] = None    # why the server cannot fork (its own words), or that it is gone
         self._next_request = 0
         self._send = threading.Lock()
+        self._receive = threading.Lock()     # held from a recv until what it read is taken in
+        self._buffer = b""                   # a partial answer, under _receive
+        self._closed = False                 # the server's end is closed, under _receive
         self._reader = threading.Thread(target=self._read, name="fork-server", daemon=True)
         self._reader.start()
 
@@ -138,6 +143,9 @@ class ForkServer:
             return ForkedProcess(self, request, self._started.pop(request))
 
     def exit_code(self, request: int) -> Optional[int]:
+        """The exit status of ``request``'s child, if the server has reported it by now
+        (never blocks for long: at most until the reader has taken in what it read)."""
+        self._take_answers()
         with self._changed:
             return self._exits.get(request)
 
@@ -161,26 +169,48 @@ class ForkServer:
         self._socket.close()
 
     def _read(self) -> None:
-        buffer = b""
-        while True:
+        while not self._closed:
             try:
-                data = self._socket.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            buffer += data
-            *lines, buffer = buffer.split(b"\n")
-            with self._changed:
-                for line in lines:
-                    message = json.loads(line)
-                    if "started" in message:
-                        self._started[message["started"]] = message["pid"]
-                    elif "exited" in message:
-                        self._exits[message["exited"]] = message["code"]
-                    elif "error" in message:
-                        self._error = message["error"]
-                self._changed.notify_all()
+                select.select([self._socket], [], [])
+            except (OSError, ValueError):
+                pass  # closed: _take_answers sees it
+            self._take_answers()
+
+    def _take_answers(self) -> None:
+        """Take in every answer the server has written by now, without waiting for more.
+        Why not just the reader thread: the agent's watch reads several workers' exits in
+        one pass, and a pass must see every exit reported before it began (workers lost
+        together are planned for together). An exit the reader had not yet taken in would
+        reach the next pass alone. The lock keeps answers in order, and makes a caller wait
+        for the reader's recv to be taken in rather than read past it."""
+        with self._receive:
+            if self._closed:
+                return
+            while True:
+                try:
+                    data = self._socket.recv(65536, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    data = b""
+                if not data:
+                    self._close_answers()
+                    return
+                self._buffer += data
+                *lines, self._buffer = self._buffer.split(b"\n")
+                with self._changed:
+                    for line in lines:
+                        message = json.loads(line)
+                        if "started" in message:
+                            self._started[message["started"]] = message["pid"]
+                        elif "exited" in message:
+                            self._exits[message["exited"]] = message["code"]
+                        elif "error" in message:
+                            self._error = message["error"]
+                    self._changed.notify_all()
+
+    def _close_answers(self) -> None:
+        self._closed = True
         with self._changed:
             # PR_SET_PDEATHSIG: whatever the server had started died with it.
             for request in range(self._next_request):
