@@ -140,6 +140,78 @@ def test_an_abort_ends_a_backward_whose_bucket_reduction_nothing_else_ends(monke
         groups.destroy()
 
 
+# Rank 0 of the group of test_a_rebuild_goes_on_while_the_aborted_groups_reduction_still_runs:
+# its bucket reduction waits for the frozen peer (for the group's 10 s), an abort ends the
+# backward, and it rebuilds its DDP alone in epoch 2 meanwhile. It prints what it reached.
+_SURVIVOR = """
+import sys, threading, torch
+from peerstate.control.kvstore import TorchKeyValueStore
+from peerstate.worker.process_groups import ProcessGroups
+from peerstate.worker.rebuild import new_rebuildable_ddp
+kv = TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=30)
+groups = ProcessGroups("gloo", collective_timeout=10)
+groups.form(kv, 1, rank=0, world_size=2, timeout=30)
+ddp = new_rebuildable_ddp(torch.nn.Linear(4, 2), init_sync=True, options={})
+print("formed", flush=True)
+sys.stdin.readline()  # the peer is frozen
+failed = []
+
+def backward():
+    try:
+        ddp(torch.ones(2, 4)).sum().backward()
+    except RuntimeError as error:
+        failed.append(error)
+
+loop = threading.Thread(target=backward)
+loop.start()
+loop.join(timeout=0.5)
+ddp.abort_reductions()
+loop.join()
+print("aborted", "aborted" in str(failed[0]), flush=True)
+ddp.release()
+groups.destroy()
+groups.form(kv, 2, rank=0, world_size=1, timeout=30)
+ddp.rebuild()
+print("rebuilt", ddp.in_flight(), flush=True)
+print("dropped", ddp.drop_retired(timeout=30), ddp.in_flight(), flush=True)
+ddp(torch.ones(2, 4)).sum().backward()
+print("stepped", flush=True)
+groups.destroy()
+"""
+
+
+def test_a_rebuild_goes_on_while_the_aborted_groups_reduction_still_runs(monkeypatch):
+    # Seen under load: a survivor joined the next epoch, then stood still for good, its
+    # heartbeat too. Its rebuild replaced the DDP's reducer, which held the last reference
+    # to the aborted gloo group; the group's destructor waited, holding the GIL, for its
+    # thread, whose bucket reduction (failed by the abort, not ended) then ran its Python
+    # callbacks, waiting for the GIL. A rebuild now keeps the old reducer until its
+    # reductions have ended, and lets go of it after.
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    kv = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=30)
+    survivor = subprocess.Popen([sys.executable, "-c", _SURVIVOR, str(kv.port)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peer = subprocess.Popen([sys.executable, "-c", _FROZEN_PEER, str(kv.port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        assert survivor.stdout.readline().strip() == "formed"
+        try:
+            output, _ = survivor.communicate("go\n", timeout=90)
+        except subprocess.TimeoutExpired:
+            survivor.kill()
+            output = survivor.communicate()[0]
+            raise AssertionError(f"the survivor stopped after its abort; it printed:\n{output}") from None
+        assert output.split("\n")[:4] == ["aborted True", "rebuilt 1", "dropped True 0", "stepped"], output
+        assert survivor.returncode == 0, output
+    finally:
+        for process in (survivor, peer):
+            process.kill()
+            process.wait()
+
+
 # One rank of the group of test_the_abortable_reduction_gives_ddps_own_gradients_bit_for_bit
 # (run as rank 0 by the test, and by each peer): a plain DDP and job.ddp()'s of the same
 # model take a step on the same rank-dependent batch; prints whether their gradients match.

@@ -483,7 +483,7 @@ class Job:
             self.watcher.stop()
         if self.replication is not None:
             self.replication.close()
-        self.wrappers.close()
+        self.wrappers.close(timeout=self.abort_timeout)
         self.groups.destroy()
         release_default_group()
         release_pg_timeouts()

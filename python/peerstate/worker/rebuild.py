@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Dict, List, Optional, Set, Tuple
+import time
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
@@ -39,12 +40,13 @@ class RebuildableDDP:
     """
 
     CARRIED = ("require_backward_grad_sync", "require_forward_param_sync", "training")
+    HOLD_THE_GROUP = ("reducer", "logger", "process_group")  # what a rebuild retires (see Retired)
 
     def __init__(self, module: Any, init_sync: bool, options: Dict[str, Any],
                  layout: Optional[List[List[int]]] = None) -> None:
         object.__setattr__(self, "_peerstate", {"module": module, "options": options, "layout": None,
                                                 "released": False, "script_hook": None, "abortable": False,
-                                                "reductions": PendingReductions()})
+                                                "reductions": PendingReductions(), "retired": []})
         self.rebuild(init_sync, layout)
 
     def rebuild(self, init_sync: bool = False, layout: Optional[List[List[int]]] = None) -> None:
@@ -54,6 +56,9 @@ class RebuildableDDP:
         built = self._peerstate
         if "reducer" in self.__dict__:
             self.release()  # the old reducer's hooks must not stay beside the new one's
+            built["retired"].append(Retired(built["reductions"],
+                                            [self.__dict__.get(name) for name in self.HOLD_THE_GROUP]))
+            built["reductions"] = PendingReductions()
         kept = {name: self.__dict__[name] for name in self.CARRIED if name in self.__dict__}
         compute = dist._compute_bucket_assignment_by_size
         if layout:
@@ -68,7 +73,7 @@ class RebuildableDDP:
         finally:
             dist._compute_bucket_assignment_by_size = compute
         built.update(layout=layout, released=False)
-        built["reductions"].reset()
+        built["retired"] = [retired for retired in built["retired"] if not retired.quiet()]
         self.__dict__.update(kept)
         # DDP takes one comm hook: ours, which runs the script's (or DDP's allreduce) and
         # hands DDP a future an abort can fail. Where DDP registered one itself (its
@@ -96,13 +101,12 @@ class RebuildableDDP:
         built["script_hook"] = (state, hook)
 
     def _abortable_reduction(self, state, bucket):  # noqa: ANN001 - DDP checks the annotations it finds
-        """The comm hook DDP runs for each bucket (``state`` is unused)."""
+        """The comm hook DDP runs for each bucket (``state`` is unused). After an abort
+        no reduction starts: it would only wait in the aborted group."""
+        reductions = self._peerstate["reductions"]
         script = self._peerstate["script_hook"]
-        if script is not None:
-            reduced = script[1](script[0], bucket)
-        else:
-            reduced = _allreduce_mean(self.process_group, bucket)
-        return self._peerstate["reductions"].track(reduced)
+        return reductions.track(lambda: script[1](script[0], bucket) if script is not None
+                                else _allreduce_mean(self.process_group, bucket))
 
     def abort_reductions(self) -> None:
         """Fail every bucket reduction DDP waits for now, and those it starts before
@@ -118,6 +122,21 @@ class RebuildableDDP:
         if not data.get("has_rebuilt_buckets"):
             return built["layout"]
         return [[int(i) for i in bucket.split()] for bucket in data["rebuilt_per_bucket_param_indices"].split(",")]
+
+    def in_flight(self) -> int:
+        """Bucket reductions of aborted groups still running in gloo (see ``Retired``)."""
+        return sum(retired.reductions.running() for retired in self._peerstate["retired"])
+
+    def drop_retired(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds (the GIL released) for the aborted groups'
+        reductions to end, then let go of what they hold; False if some still run
+        (those are kept)."""
+        retired = self._peerstate["retired"]
+        deadline = time.monotonic() + timeout
+        for entry in retired:
+            entry.reductions.wait_quiet(deadline - time.monotonic())
+        self._peerstate["retired"] = [entry for entry in retired if not entry.quiet()]
+        return not self._peerstate["retired"]
 
     def release(self) -> None:
         """Detach from an aborted group until the next rebuild. Its reducer's gradient
@@ -146,17 +165,21 @@ class PendingReductions:
     through a message when its peer died, or a send part way written: gloo's tcp
     pair, when it fails, wakes the operations still pending but not the ones in
     progress, which then wait out the group's timeout (``process_groups``; pinned by
-    ``tests/worker/test_process_groups.py``). Failed
-    here, the backward raises at once; the reduction itself runs on in its group's
-    thread until that timeout, harmless in a group already aborted. Thread-safe."""
+    ``tests/worker/test_process_groups.py``). Failed here, the backward raises at
+    once; the reduction itself runs on in its group's thread until that timeout, and
+    ``running()`` counts it until its callbacks (Python: they need the GIL) have run.
+    Thread-safe."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._pending: Set[Any] = set()
         self._aborted = False
+        self._running = 0
+        self._last_end = 0.0  # time.monotonic() when the last reduction's callbacks ended
 
-    def track(self, reduction: Any) -> Any:
-        """A future completed with ``reduction``'s result, or failed by ``abort()``."""
+    def track(self, start: Callable[[], Any]) -> Any:
+        """A future completed with the result of the reduction ``start()`` returns (a
+        future), or failed by ``abort()``; after an abort ``start`` is not called."""
         import torch
 
         standing = torch.futures.Future()
@@ -165,19 +188,36 @@ class PendingReductions:
                 standing.set_exception(AbortedError("the group of this reduction was aborted"))
                 return standing
             self._pending.add(standing)
+            self._running += 1
+        try:
+            reduction = start()
+        except BaseException:
+            with self._lock:
+                self._pending.discard(standing)
+                self._ended()
+            raise
 
         def settle(done: Any) -> None:
-            with self._lock:
-                if standing not in self._pending:
-                    return  # failed by abort() already
-                self._pending.discard(standing)
             try:
-                standing.set_result(done.value())
-            except Exception as error:  # noqa: BLE001 - the reduction's own failure, passed on
-                standing.set_exception(error)
+                with self._lock:
+                    if standing not in self._pending:
+                        return  # failed by abort() already
+                    self._pending.discard(standing)
+                try:
+                    standing.set_result(done.value())
+                except Exception as error:  # noqa: BLE001 - the reduction's own failure, passed on
+                    standing.set_exception(error)
+            finally:
+                with self._lock:
+                    self._ended()
 
         reduction.add_done_callback(settle)
         return standing
+
+    def _ended(self) -> None:
+        self._running -= 1
+        self._last_end = time.monotonic()
+        self._lock.notify_all()
 
     def abort(self) -> None:
         with self._lock:
@@ -186,10 +226,50 @@ class PendingReductions:
         for standing in pending:  # outside the lock: DDP's callbacks run in here
             standing.set_exception(AbortedError("the group of this reduction was aborted"))
 
-    def reset(self) -> None:
-        """A rebuilt DDP's reductions run in a new group."""
+    def running(self) -> int:
         with self._lock:
-            self._aborted, self._pending = False, set()
+            return self._running
+
+    def quiet(self) -> bool:
+        """No reduction runs, nor ended in the last ``QUIET_SECONDS``."""
+        with self._lock:
+            return self._running == 0 and time.monotonic() - self._last_end >= QUIET_SECONDS
+
+    def wait_quiet(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds (the GIL released) until ``quiet()``."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                now = time.monotonic()
+                still = QUIET_SECONDS - (now - self._last_end) if self._running == 0 else deadline - now
+                if self._running == 0 and still <= 0:
+                    return True
+                if now >= deadline:
+                    return False
+                self._lock.wait(min(still, deadline - now))
+
+
+QUIET_SECONDS = 1.0  # after a reduction's callbacks ran, its gloo thread may still drop them (needs the GIL)
+
+
+class Retired:
+    """An aborted DDP's reducer, logger and process group, held after a rebuild until
+    the reductions they started have ended (``PendingReductions.quiet``).
+
+    Why: the last reference to a gloo process group, dropped, runs its destructor,
+    which waits for the group's threads to finish their work, in the thread that
+    dropped it, holding the GIL. A bucket reduction the abort failed but gloo still
+    runs (a send part way written to a dead peer: it ends at the group's timeout)
+    then runs its callbacks, which are Python and wait for that GIL: the process
+    stops for good, heartbeat included (seen under load: a survivor frozen right
+    after it joined the next epoch, its rebuild having replaced the old reducer)."""
+
+    def __init__(self, reductions: PendingReductions, holders: List[Any]) -> None:
+        self.reductions = reductions
+        self._holders = holders
+
+    def quiet(self) -> bool:
+        return self.reductions.quiet()
 
 
 _CONCRETE: List[type] = []
@@ -250,9 +330,15 @@ class DistributedWrappers:
             wrapper.rebuild(init_sync=False, layout=wrapper.bucket_layout())
         reset_fsdp(self.model)
 
-    def close(self) -> None:
+    def close(self, timeout: float) -> None:
+        """Release every DDP, and let go of the aborted groups their rebuilds retired
+        once those groups' reductions ended (waiting up to ``timeout`` seconds; a group
+        still busy then is left to the interpreter's exit)."""
         for wrapper in self.ddps:
             wrapper.release()
+        deadline = time.monotonic() + timeout
+        for wrapper in self.ddps:
+            wrapper.drop_retired(deadline - time.monotonic())
 
 
 def reset_fsdp(model: Any) -> None:
