@@ -1,0 +1,106 @@
+"""torchtitan's ``Trainer`` under peerstate (torchtitan 0.2.x, torch 2.13).
+
+    peerstate run --nproc-per-node 8 --spares 1 -m peerstate.integrations.torchtitan \\
+        --job.config_file llama3_8b.toml --debug.seed 0
+
+``PeerstateTrainer`` is torchtitan's ``Trainer`` with three parts replaced, in
+the shape of torchft's integration (a subclass handed to ``torchtitan.train.main``;
+torchtitan's own files are untouched):
+
+- ``init_distributed``: ``peerstate.Job()`` forms the default group instead of
+  ``init_process_group``; ``ParallelDims.build_mesh`` (one world mesh, every
+  other view by ``_unflatten``/``_flatten`` with fake backends for size-1
+  dimensions) is handed to ``job.build_meshes``, which re-forms its groups in
+  every epoch; a hot spare waits there for its rank.
+- after ``Trainer.__init__``: ``job.track`` of what torchtitan hands its
+  checkpointer: the model parts, the optimizer and LR-scheduler containers, the
+  data loader and the trainer's own train state (``step``, ``ntokens_seen``),
+  with HSDP's replicas as the shards' copies (``data_parallel="dp_replicate"``).
+- ``train``: each step in ``job.guard()``; the data iterator is made again from
+  the restored loader after a recovery.
+
+What a torchtitan job must keep to: a pinned ``--debug.seed`` (unpinned,
+torchtitan broadcasts rank 0's seed between the meshes and the model, where a
+replacement must not communicate: the seed is then pinned to 0 and said so);
+no asynchronous checkpointing (it makes a process group of its own). What
+torchtitan's own loop did that this one does not: its checkpointer's save and
+load (peerstate's ``--checkpoint-dir`` is the disk fallback and the resume), and
+``comm.train_timeout_seconds`` after step 1 (peerstate bounds every collective
+wait by ``Job(abort_timeout=...)``). Not run here: pipeline parallelism (the
+schedule must be built again after a recovery, as ``examples/pipeline.py``
+does), validation, profiling, and GPU/NCCL.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterator, Optional
+
+from torchtitan.distributed import ParallelDims
+from torchtitan.train import Trainer, main
+
+import peerstate
+
+
+class PeerstateTrainer(Trainer):
+    """torchtitan's Trainer whose state peerstate snapshots every step and recovers."""
+
+    job: peerstate.Job
+
+    def __init__(self, job_config: Any) -> None:
+        if job_config.checkpoint.async_mode not in ("disabled", None):
+            raise peerstate.InvalidArgumentError(
+                f"--checkpoint.async_mode={job_config.checkpoint.async_mode}: asynchronous checkpointing makes a "
+                "process group of its own, which no abort reaches; use --checkpoint.async_mode=disabled under "
+                "peerstate (its in-memory copies replace most checkpoints)")
+        if job_config.debug.seed is None:
+            job_config.debug.seed = 0
+            print("peerstate: --debug.seed was not set: torchtitan would broadcast rank 0's seed where a replacement "
+                  "cannot take part; pinned to 0 (set --debug.seed to choose)", file=sys.stderr, flush=True)
+        super().__init__(job_config)
+        dims = self.parallel_dims
+        self.job.track(model=self.model_parts, optimizer=self.optimizers, scheduler=self.lr_schedulers,
+                       loader=self.dataloader, extras={"train_state": self},
+                       data_parallel="dp_replicate" if dims.dp_replicate > 1 else False)
+
+    def init_distributed(self) -> ParallelDims:
+        config = self.job_config
+        self.job = peerstate.Job()
+        parallelism = config.parallelism
+        dims = ParallelDims(
+            dp_shard=parallelism.data_parallel_shard_degree,
+            dp_replicate=parallelism.data_parallel_replicate_degree,
+            cp=parallelism.context_parallel_degree,
+            tp=parallelism.tensor_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree,
+            ep=parallelism.expert_parallel_degree,
+            etp=parallelism.expert_tensor_parallel_degree,
+            world_size=self.job.world_size,
+        )
+        # The dense mesh's dimensions, for data_parallel="dp_replicate": a spare must know
+        # its replica set before it has a rank to build the meshes with.
+        fsdp = dims.dp_shard * dims.cp
+        layout = [("pp", dims.pp), ("dp_replicate", dims.dp_replicate), ("fsdp", fsdp), ("tp", dims.tp)]
+        self.job.build_meshes(dims.build_mesh, layout=layout)
+        self.job.wait_for_rank()
+        return dims
+
+    def train(self) -> None:
+        config = self.job_config
+        iterator: Optional[Iterator[Any]] = None
+        recoveries = -1
+        for index in self.job.steps(config.training.steps):
+            if self.job.recoveries != recoveries:  # the loader was restored: read on from where it stands
+                iterator, recoveries = self.batch_generator(self.dataloader), self.job.recoveries
+            with self.job.guard():
+                self.step = index + 1  # torchtitan counts steps from 1
+                self.gc_handler.run(self.step)
+                self.train_step(iterator)
+
+    def close(self) -> None:
+        super().close()
+        self.job.close()
+
+
+if __name__ == "__main__":
+    main(PeerstateTrainer)

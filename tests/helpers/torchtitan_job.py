@@ -1,0 +1,101 @@
+"""torchtitan's llama3 debug model under ``peerstate.integrations.torchtitan``, on
+CPU/gloo, for the e2e tests. Takes the test jobs' ``--steps``/``--out`` and a
+``--layout``; prints "rank R step S" after each step (S counted from 0, as
+``job.steps``) and writes each rank's final model and optimizer shards and train
+state to ``--out``.
+
+The CPU shims below are for this harness only (torchtitan has CUDA-only corners
+on a machine without a GPU): its device type falls back to "cuda" when no
+accelerator is found; it names its device "cpu:LOCAL_RANK", and a CPU has one;
+its memory monitor reads CUDA's statistics; and FSDP's reduce-scatter with its
+gradient division turned off is a PREMUL_SUM, which gloo refuses (forced to a
+sum)."""
+
+import argparse
+import os
+import sys
+
+LAYOUTS = {"hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+           "fsdp_tp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]}
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, required=True)
+parser.add_argument("--out", required=True)
+parser.add_argument("--layout", choices=sorted(LAYOUTS), default="hsdp")
+parser.add_argument("--assets", required=True, help="a folder with tokenizer/ and data/ (tests/integrations)")
+args, rest = parser.parse_known_args()
+
+os.environ["LOCAL_RANK"] = "0"  # the one CPU device (peerstate itself never reads it)
+# torchtitan's parser reads sys.argv[1:] as it stood when torchtitan was imported: set it before
+sys.argv = [sys.argv[0], "--model.hf_assets_path", os.path.join(args.assets, "tokenizer"),
+            "--training.dataset", "c4_test", "--training.dataset_path", os.path.join(args.assets, "data"),
+            "--training.steps", str(args.steps), "--training.seq_len", "64", "--training.local_batch_size", "2",
+            "--training.mixed_precision_param", "float32", "--debug.seed", "7",
+            "--metrics.log_freq", "1000", "--job.dump_folder", args.out, *LAYOUTS[args.layout], *rest]
+
+import torch  # noqa: E402
+import torch._utils  # noqa: E402
+
+torch._utils._get_available_device_type = lambda: "cpu"  # before torchtitan reads it
+
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torchtitan.components import metrics  # noqa: E402
+from torchtitan.models.llama3.infra import parallelize as llama_parallelize  # noqa: E402
+from torchtitan.train import main  # noqa: E402
+
+from peerstate.integrations.torchtitan import PeerstateTrainer  # noqa: E402
+
+
+class _NoDeviceMemory:
+    device_name = "cpu"
+
+    def get_peak_stats(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(max_active_gib=0, max_active_pct=0, max_reserved_gib=0, max_reserved_pct=0,
+                               num_alloc_retries=0, num_ooms=0)
+
+    def reset_peak_stats(self):
+        pass
+
+
+metrics.build_device_memory_monitor = lambda: _NoDeviceMemory()
+_divide_off = llama_parallelize.disable_fsdp_gradient_division
+
+
+def _divide_off_and_sum(model):
+    _divide_off(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+llama_parallelize.disable_fsdp_gradient_division = _divide_off_and_sum
+
+
+
+class TestTrainer(PeerstateTrainer):
+    def __init__(self, job_config):
+        super().__init__(job_config)
+        print(f"rank {self.job.rank} pid {os.getpid()}", flush=True)  # what the tests' kill_rank reads
+
+    def train_step(self, data_iterator):
+        super().train_step(data_iterator)
+        print(f"rank {self.job.rank} step {self.step - 1}", flush=True)
+
+    def close(self):
+        final = {}
+        for i, part in enumerate(self.model_parts):
+            for name, value in part.state_dict().items():
+                final[f"part{i}/{name}"] = (value.to_local() if hasattr(value, "to_local") else value).clone()
+        for i, optimizer in enumerate(self.optimizers.optimizers):
+            for index, state in enumerate(optimizer.state.values()):
+                for key, value in state.items():
+                    final[f"optimizer{i}/{index}/{key}"] = (value.to_local() if hasattr(value, "to_local")
+                                                            else value).clone()
+        final["train_state"] = torch.tensor([self.step, self.ntokens_seen])
+        torch.save(final, os.path.join(args.out, f"rank{self.job.rank}.pt"))
+        super().close()
+
+
+main(TestTrainer)
