@@ -1,6 +1,8 @@
 """Recovery, step overhead and goodput of the DeviceMesh examples: HSDP, FSDP2 +
 tensor parallelism, a 2-stage pipeline and the torchtitan-shaped trainer in its
-FSDP2+TP and HSDP layouts (examples/), over gloo on this machine.
+FSDP2+TP and HSDP layouts (examples/), and of torchtitan's own Trainer in the same
+two layouts (``torchtitan-*``: peerstate.integrations.torchtitan, the torchtitan
+extra), over gloo on this machine.
 
 Each example runs three times under `peerstate run`, 2 simulated nodes x 2
 workers + 1 hot spare, in the same bench run:
@@ -41,10 +43,15 @@ from peerstate.tools.local import LocalJob
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples"
 RESULTS = HERE / "results" / "parallelisms.json"
+# torchtitan's own Trainer (llama3 debug model, the torchtitan extra) through peerstate.integrations.torchtitan,
+# with the tests' CPU shims and generated assets: its width is the debug model's, not --width.
+TORCHTITAN = HERE.parent / "tests" / "helpers" / "torchtitan_job.py"
 # example -> its script and arguments; the trainer is torchtitan's shape (meshes from job.build_meshes,
 # model parts and containers) in two of its layouts.
 CASES = {"hsdp": ["hsdp.py"], "fsdp-tp": ["fsdp_tp.py"], "pipeline": ["pipeline.py"],
-         "trainer-fsdp-tp": ["trainer.py", "--layout", "fsdp_tp"], "trainer-hsdp": ["trainer.py", "--layout", "hsdp"]}
+         "trainer-fsdp-tp": ["trainer.py", "--layout", "fsdp_tp"], "trainer-hsdp": ["trainer.py", "--layout", "hsdp"],
+         "torchtitan-hsdp": [str(TORCHTITAN), "--layout", "hsdp"],
+         "torchtitan-fsdp-tp": [str(TORCHTITAN), "--layout", "fsdp_tp"]}
 
 
 def run(example: str, steps: int, width: int, capture: bool, kill_step: Optional[int] = None,
@@ -55,10 +62,14 @@ def run(example: str, steps: int, width: int, capture: bool, kill_step: Optional
     os.environ["PEERSTATE_CAPTURE"] = "1" if capture else "0"  # the agents pass it to their workers
     try:
         with tempfile.TemporaryDirectory(prefix="peerstate-parallelisms-") as tmp:
+            if example.startswith("torchtitan"):
+                (Path(tmp) / "out").mkdir()
+                sized = ["--out", str(Path(tmp) / "out"), "--assets", str(_torchtitan_assets())]
+            else:
+                sized = ["--width", str(width)]
             launched = time.time()
             job = LocalJob(Path(tmp), [(2, 1), (2, 0)],
-                           [str(EXAMPLES / CASES[example][0]), *CASES[example][1:], "--steps", str(steps),
-                            "--width", str(width)],
+                           [str(EXAMPLES / CASES[example][0]), *CASES[example][1:], "--steps", str(steps), *sized],
                            agent_args=agent_args)
             try:
                 codes = job.wait(timeout)
@@ -80,6 +91,25 @@ def run(example: str, steps: int, width: int, capture: bool, kill_step: Optional
             "first_step_end_s": started - launched + end["median_step_s"],
             "recovery_s": recoveries[0]["total_s"] if recoveries else None,
             "phases_s": recoveries[0]["phases_s"] if recoveries else None}
+
+
+_ASSETS: list = []
+
+
+def _torchtitan_assets() -> Path:
+    """The tokenizer and dataset the tests make, made once per bench run (removed at its end)."""
+    import atexit
+    import shutil
+    import sys
+
+    if not _ASSETS:
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        from helpers.torchtitan_assets import make_assets
+
+        root = Path(tempfile.mkdtemp(prefix="peerstate-torchtitan-assets-"))
+        atexit.register(shutil.rmtree, root, True)
+        _ASSETS.append(make_assets(root))
+    return _ASSETS[0]
 
 
 def measure(example: str, steps: int, width: int, kill_step: int) -> dict:

@@ -4,41 +4,24 @@ rank's model and optimizer shards and train state end bitwise equal to the
 fault-free run's. Skipped where torchtitan is not installed (it is in the
 ``torchtitan`` extra the README's test command installs)."""
 
-import json
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
-tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("tokenizers")
 
 from helpers.jobs import FAST, Job  # noqa: E402
+from helpers.torchtitan_assets import make_assets  # noqa: E402
 
 HARNESS = Path(__file__).resolve().parents[1] / "helpers" / "torchtitan_job.py"
 STEPS = 12
-WORDS = "the a of to and in is it that was for on are with as his they be at one have this from".split()
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """A tokenizer trained on generated text, and that text as a local dataset."""
-    root = tmp_path_factory.mktemp("torchtitan_assets")
-    generator = torch.Generator().manual_seed(0)
-    lines = [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (60,), generator=generator).tolist())
-             for _ in range(400)]
-    (root / "data").mkdir()
-    (root / "data" / "train.json").write_text("\n".join(json.dumps({"text": line}) for line in lines))
-    model = tokenizers.models.BPE(unk_token="<unk>")
-    tokenizer = tokenizers.Tokenizer(model)
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    special = ["<unk>", "<|begin_of_text|>", "<|end_of_text|>"]
-    tokenizer.train_from_iterator(lines, tokenizers.trainers.BpeTrainer(vocab_size=256, special_tokens=special))
-    (root / "tokenizer").mkdir()
-    tokenizer.save(str(root / "tokenizer" / "tokenizer.json"))
-    (root / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": True}))
-    return root
+    return make_assets(tmp_path_factory.mktemp("torchtitan_assets"))
 
 
 def run(tmp_path, assets, layout, kill=None):
