@@ -66,7 +66,7 @@ OLD_WATCHER_SECONDS = 1.0  # the old per-worker watcher's wait on the job's stor
 
 
 def _store(address: str, host_store: bool = False):
-    from peerstate.control.kvstore import open_store
+    from peerstate.control.stores import open_store
 
     return open_store(address, timeout=300.0, host_store=host_store)
 

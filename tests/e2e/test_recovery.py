@@ -127,6 +127,25 @@ def test_a_process_group_timeout_past_the_abort_bounds_is_kept_and_said(run):
     assert "the job cannot go on: --strict: rank" in summary and "was kept at 15s" in summary, summary
 
 
+def test_a_collective_between_two_guarded_steps_is_said_and_stops_a_strict_job(run):
+    # A metric's all_reduce after step 1's guard: a rank failing while it runs would not be
+    # recovered. Every rank says it once, at step 2's guard, on its agent's console and in
+    # the summary; --strict stops the job.
+    job = run(script_args=["--collective-outside-guard"])
+    assert job.wait() == [0, 0], job.describe()
+    for node, ranks in ((0, (0, 1)), (1, (2, 3))):
+        console = job.agent_logs[node].read_text()
+        said = re.findall(r"rank (\d) \(n\d\.\d\) at step 2: a collective ran outside job\.guard\(\), where no "
+                          r"recovery reaches it: the collectives of ranks \[0, 1, 2, 3\]", console)
+        assert sorted(said) == sorted(2 * [str(r) for r in ranks]), console  # at once, and in the summary
+        assert (f"node {node}'s ranks finished, but the script ran collectives outside job.guard() (2 finding(s)"
+                in console), console
+    job = run(script_args=["--collective-outside-guard"], agent_args=[*FAST, "--strict"])
+    assert job.wait() == [1, 1], job.describe()
+    summary = job.agent_logs[0].read_text()
+    assert "the job cannot go on: --strict: rank" in summary and "outside job.guard()" in summary, summary
+
+
 def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):
     # Survivors pull the data-parallel share they lack at each recovery. Steps of half a
     # second: the second kill waits for the refilled spare, and for rank 3's first copy

@@ -75,17 +75,21 @@ def test_a_released_ddp_leaves_no_hook_that_fires_into_the_aborted_group(epochs)
     assert ddp.bucket_layout() == layout
 
 
-# Rank 1 of a 2-rank gloo group: the same DDP as the test's, which then freezes
-# before its backward, so that the test's bucket reduction waits for it.
-_FROZEN_PEER = """
-import os, signal, sys, torch
+# A member of epoch 1's 2-rank gloo group with a DDP (argv: store port, rank, collective timeout).
+_MEMBER = """
+import os, signal, sys, threading, torch
 from peerstate.control.kvstore import TorchKeyValueStore
 from peerstate.worker.process_groups import ProcessGroups
 from peerstate.worker.rebuild import new_rebuildable_ddp
 kv = TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=30)
-groups = ProcessGroups("gloo", collective_timeout=20)
-groups.form(kv, 1, rank=1, world_size=2, timeout=30)
+groups = ProcessGroups("gloo", collective_timeout=float(sys.argv[3]))
+groups.form(kv, 1, rank=int(sys.argv[2]), world_size=2, timeout=30)
 ddp = new_rebuildable_ddp(torch.nn.Linear(4, 2), init_sync=True, options={})
+"""
+
+# Rank 1: the same DDP as the test's, which then freezes before its backward, so that
+# the test's bucket reduction waits for it.
+_FROZEN_PEER = _MEMBER + """
 print("ready", flush=True)
 os.kill(os.getpid(), signal.SIGSTOP)
 """
@@ -107,7 +111,8 @@ def test_an_abort_ends_a_backward_whose_bucket_reduction_nothing_else_ends(monke
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     kv = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=30)
     groups = ProcessGroups("gloo", collective_timeout=60)
-    peer = subprocess.Popen([sys.executable, "-c", _FROZEN_PEER, str(kv.port)], stdout=subprocess.PIPE, text=True)
+    peer = subprocess.Popen([sys.executable, "-c", _FROZEN_PEER, str(kv.port), "1", "20"], stdout=subprocess.PIPE,
+                            text=True)
     try:
         groups.form(kv, 1, rank=0, world_size=2, timeout=60)
         ddp = new_rebuildable_ddp(torch.nn.Linear(4, 2), init_sync=True, options={})
@@ -143,15 +148,7 @@ def test_an_abort_ends_a_backward_whose_bucket_reduction_nothing_else_ends(monke
 # Rank 0 of the group of test_a_rebuild_goes_on_while_the_aborted_groups_reduction_still_runs:
 # its bucket reduction waits for the frozen peer (for the group's 10 s), an abort ends the
 # backward, and it rebuilds its DDP alone in epoch 2 meanwhile. It prints what it reached.
-_SURVIVOR = """
-import sys, threading, torch
-from peerstate.control.kvstore import TorchKeyValueStore
-from peerstate.worker.process_groups import ProcessGroups
-from peerstate.worker.rebuild import new_rebuildable_ddp
-kv = TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=30)
-groups = ProcessGroups("gloo", collective_timeout=10)
-groups.form(kv, 1, rank=0, world_size=2, timeout=30)
-ddp = new_rebuildable_ddp(torch.nn.Linear(4, 2), init_sync=True, options={})
+_SURVIVOR = _MEMBER + """
 print("formed", flush=True)
 sys.stdin.readline()  # the peer is frozen
 failed = []
@@ -181,20 +178,23 @@ groups.destroy()
 
 
 def test_a_rebuild_goes_on_while_the_aborted_groups_reduction_still_runs(monkeypatch):
-    # Seen under load: a survivor joined the next epoch, then stood still for good, its
-    # heartbeat too. Its rebuild replaced the DDP's reducer, which held the last reference
-    # to the aborted gloo group; the group's destructor waited, holding the GIL, for its
-    # thread, whose bucket reduction (failed by the abort, not ended) then ran its Python
-    # callbacks, waiting for the GIL. A rebuild now keeps the old reducer until its
-    # reductions have ended, and lets go of it after.
+    # The abort failed the bucket reduction DDP waited for; gloo still runs it, for the
+    # group's timeout. The rebuild keeps the old reducer (and the aborted group it holds)
+    # until that reduction has ended and its Python callbacks ran, and lets go after:
+    # the survivor steps in the new epoch meanwhile and exits 0. Before, the old group
+    # was dropped with the reduction still running: at the interpreter's exit its end
+    # came to callbacks that could no longer run, and std::terminate ended the process
+    # (exit -6); dropped on a thread holding the GIL, the group's destructor would wait
+    # for the gloo thread that waits for that GIL.
     import subprocess
     import sys
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     kv = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=30)
-    survivor = subprocess.Popen([sys.executable, "-c", _SURVIVOR, str(kv.port)], stdin=subprocess.PIPE,
+    survivor = subprocess.Popen([sys.executable, "-c", _SURVIVOR, str(kv.port), "0", "10"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peer = subprocess.Popen([sys.executable, "-c", _FROZEN_PEER, str(kv.port)], stdout=subprocess.PIPE, text=True)
+    peer = subprocess.Popen([sys.executable, "-c", _FROZEN_PEER, str(kv.port), "1", "20"], stdout=subprocess.PIPE,
+                            text=True)
     try:
         assert peer.stdout.readline().strip() == "ready"
         assert survivor.stdout.readline().strip() == "formed"

@@ -27,7 +27,7 @@ import stat
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
-from peerstate.control.kvstore import is_etcd
+from peerstate.control.stores import is_etcd
 from peerstate.errors import InvalidArgumentError
 
 # A worker that could not leave a blocked call within Job(abort_timeout=...) exits with this (EX_SOFTWARE).

@@ -1,8 +1,10 @@
 """Findings: what a worker detects that makes its run no longer bitwise equal to
 a fault-free one (a replacement's RNG states changed between its restore and its
 first step: a seed set or a random draw after ``track()``, a batch prefetched
-across steps), or a call of the script that peerstate overrode to keep its
-bounds (``OVERRIDDEN``: a process-group timeout past them). A worker reports
+across steps), a collective the script ran between two guarded steps, where no
+recovery reaches it (``UNGUARDED``), or a call of the script that peerstate
+overrode to keep its bounds (``OVERRIDDEN``: a process-group timeout past
+them). A worker reports
 each to its agent through the node channel; the agent says it on ``peerstate
 run``'s console at once, lists every one in its closing summary, and under
 ``--strict`` stops the job. Said in the worker's log alone, a finding went
@@ -21,6 +23,13 @@ from peerstate.control.timeline import EventLog
 
 NOT_BITWISE = "not_bitwise"
 OVERRIDDEN = "overridden"
+UNGUARDED = "unguarded"
+# kind -> (what a finding of it says before its cause, what the closing summary says of the run), by weight
+_WORDS = {NOT_BITWISE: ("this run is no longer bitwise equal to a fault-free one: ",
+                        "the run is not bitwise equal to a fault-free one"),
+          UNGUARDED: ("a collective ran outside job.guard(), where no recovery reaches it: ",
+                      "the script ran collectives outside job.guard()"),
+          OVERRIDDEN: ("peerstate overrode a call of the script: ", "peerstate overrode calls of the script")}
 
 
 def report_finding(channel: KeyValueStore, rank: int, worker: str, step: int, cause: str,
@@ -32,8 +41,7 @@ def report_finding(channel: KeyValueStore, rank: int, worker: str, step: int, ca
 
 
 def describe(finding: dict) -> str:
-    what = ("this run is no longer bitwise equal to a fault-free one: "
-            if finding.get("kind", NOT_BITWISE) == NOT_BITWISE else "peerstate overrode a call of the script: ")
+    what = _WORDS[finding.get("kind", NOT_BITWISE)][0]
     return f"rank {finding['rank']} ({finding['worker']}) at step {finding['step']}: {what}{finding['cause']}"
 
 
@@ -72,8 +80,7 @@ class FindingsReader:
         """The closing summary: every finding again, where a user reads last."""
         if self.found:
             lines = "\n".join(f"  {describe(f)}" for f in self.found)
-            but = ("the run is not bitwise equal to a fault-free one"
-                   if any(f.get("kind", NOT_BITWISE) == NOT_BITWISE for f in self.found)
-                   else "peerstate overrode calls of the script")
+            kinds = {f.get("kind", NOT_BITWISE) for f in self.found}
+            but = next(summary for kind, (_, summary) in _WORDS.items() if kind in kinds)
             print(f"peerstate: {ending}, but {but} ({len(self.found)} finding(s); --strict stops the job at the "
                   f"first):\n{lines}", file=sys.stderr, flush=True)

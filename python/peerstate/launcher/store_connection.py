@@ -9,7 +9,8 @@ from typing import Optional, Tuple
 
 from peerstate.control import keys
 from peerstate.control.etcd_store import EtcdKeyValueStore, TlsFiles
-from peerstate.control.kvstore import KeyValueStore, is_etcd, open_store
+from peerstate.control.kvstore import KeyValueStore
+from peerstate.control.stores import is_etcd, open_store
 from peerstate.errors import InvalidArgumentError, JobFailedError
 
 

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
-from peerstate.control.kvstore import open_store
+from peerstate.control.stores import open_store
 from peerstate.control.memory_store import InMemoryKeyValueStore
 from peerstate.control.messages import MemberReport, RecoveryPlan, StateLayout
 from peerstate.control.node_relay import NodeRelay

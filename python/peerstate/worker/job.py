@@ -51,15 +51,14 @@ import functools
 import json
 import math
 import os
-import sys
-import warnings
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.environment import WorkerEnvironment
 from peerstate.control.findings import OVERRIDDEN, report_finding
-from peerstate.control.kvstore import TorchKeyValueStore, open_store
+from peerstate.control.kvstore import TorchKeyValueStore
+from peerstate.control.stores import open_store
 from peerstate.control.messages import RecoveryPlan
 from peerstate.control.progress import ProgressCounter
 from peerstate.control.timeline import EventLog
@@ -80,7 +79,9 @@ from peerstate.worker.report import RecoveryReport
 from peerstate.worker.restorer import Restorer
 from peerstate.worker.resume import CheckpointResume
 from peerstate.worker.script_timeouts import claim_pg_timeouts, release_pg_timeouts
-from peerstate.worker.step_boundary import StepBoundary, StepGuard
+from peerstate.worker.unguarded import UnguardedCollectives
+from peerstate.worker.step_boundary import StepBoundary
+from peerstate.worker.step_guard import StepChecks, StepGuard
 from peerstate.worker.tracked_state import TrackedState
 
 
@@ -205,6 +206,8 @@ class Job:
         self.replication: Optional[Replication] = None
         self.watcher: Optional[EpochWatcher] = None
         self._guard: Optional[StepGuard] = None  # the current step's
+        self.checks = StepChecks(self.membership, self.tracked, UnguardedCollectives(self.groups.formed),
+                                 self.channel, self.events)
         atexit.register(self.close)  # an exception out of the loop still stops the threads in order
         if env.spare:
             _warm_up()
@@ -391,17 +394,9 @@ class Job:
         undeclared = self.groups.describe_undeclared()
         if undeclared:  # a replacement would run into the same: the job stops
             raise InvalidArgumentError(self.coordinator.fail_job(f"rank {self.rank}: {undeclared}"))
-        if self.tracked.rng_changed():
-            cause = (f"it was restored to step {self.next_step - 1} inside track(), RNG states included, and they "
-                     "changed before its first step: a seed set (torch.manual_seed, random.seed, numpy.random.seed) "
-                     "or a random draw made after track() (a batch prefetched across steps draws too) replaced "
-                     "them. Seed before Job() and track(), or draw from a generator seeded by the step "
-                     "(docs/training-script.md, 'What a training script must and must not do').")
-            print(f"peerstate: rank {self.rank} {cause}", file=sys.stderr, flush=True)
-            self.events.write("rng_changed_after_restore", rank=self.rank, step=self.next_step)
-            report_finding(self.channel, self.rank, self.worker, self.next_step, cause)  # on its agent's console
-            warnings.warn(cause, RuntimeWarning, stacklevel=2)
-        self._guard = StepGuard(self.joiner, self.boundary, self.membership, self.events, self.regroup)
+        self.checks.before_step(self.next_step)
+        self._guard = StepGuard(self.joiner, self.boundary, self.membership, self.events, self.regroup,
+                                self.checks.unguarded.mark)
         return self._guard
 
     def guarded(self, step_function: Callable[..., Any]) -> Callable[..., Any]:

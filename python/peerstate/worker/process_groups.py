@@ -231,6 +231,11 @@ class ProcessGroups:
                 self._sockets |= _socket_inodes() - before
             self._formed = set(dist.distributed_c10d._world.pg_names)
 
+    def formed(self) -> List[Any]:
+        """The process groups formed here this epoch (the default group, declared ones)."""
+        with self._lock:
+            return list(self._formed)
+
     def undeclared(self) -> List[Any]:
         """Process groups of this process that peerstate did not form (created with
         ``torch.distributed.new_group`` or ``init_device_mesh`` directly): no abort

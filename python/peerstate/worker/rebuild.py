@@ -256,13 +256,15 @@ class Retired:
     """An aborted DDP's reducer, logger and process group, held after a rebuild until
     the reductions they started have ended (``PendingReductions.quiet``).
 
-    Why: the last reference to a gloo process group, dropped, runs its destructor,
-    which waits for the group's threads to finish their work, in the thread that
-    dropped it, holding the GIL. A bucket reduction the abort failed but gloo still
-    runs (a send part way written to a dead peer: it ends at the group's timeout)
-    then runs its callbacks, which are Python and wait for that GIL: the process
-    stops for good, heartbeat included (seen under load: a survivor frozen right
-    after it joined the next epoch, its rebuild having replaced the old reducer)."""
+    Why: a bucket reduction the abort failed but gloo still runs (a send part way
+    written to a dead peer ends only at the group's timeout) runs Python callbacks
+    when it ends, which need the GIL. The last reference to a gloo group, dropped,
+    runs the group's destructor, which waits for the group's threads in the thread
+    that dropped it, holding the GIL: the process would stop for good. Dropped at the
+    interpreter's exit instead, the reduction's end met callbacks that could no
+    longer run and std::terminate ended the process (exit -6, after a job that
+    finished within the group's timeout of a recovery; ``tests/worker/
+    test_rebuild.py``)."""
 
     def __init__(self, reductions: PendingReductions, holders: List[Any]) -> None:
         self.reductions = reductions

@@ -8,25 +8,18 @@ import ctypes
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.progress import ProgressCounter
-from peerstate.control.timeline import EventLog
 from peerstate.errors import AbortedError
 from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.worker.checkpoint import DiskCheckpoints
-from peerstate.worker.membership import MemberState, Membership
+from peerstate.worker.membership import Membership
 from peerstate.worker.report import RecoveryReport
 from peerstate.worker.tracked_state import TrackedState
-
-if TYPE_CHECKING:
-    from peerstate.control.coordinator import Coordinator
-    from peerstate.worker.joiner import EpochJoiner
-    from peerstate.worker.regroup import BusyPeerRegroup
-
 
 try:
     _malloc_trim: Any = ctypes.CDLL("libc.so.6").malloc_trim
@@ -192,89 +185,3 @@ class StepBoundary:
 
 # What a collective's or a transport's error says when its peer died or its group was
 # aborted (gloo raises plain RuntimeErrors; NCCL and the c10d store raise DistErrors).
-_PEER_FAILURE_MARKS = ("gloo", "nccl", "c10d", "processgroup", "connection closed by peer", "connection reset",
-                       "broken pipe", "timed out waiting", "aborted", "socket")
-
-
-def raised_by_a_peer_failure(error: BaseException) -> bool:
-    """Whether ``error`` (or an exception it was raised from) may be a peer's failure
-    seen from here: a torch.distributed error, a gloo/NCCL error, one of peerstate's.
-    Anything else is the script's own (a bug, a bad batch, an out-of-memory): no
-    recovery is coming for it unless this rank dies, so waiting for one only holds the
-    other ranks in their collectives for ``failure_grace``."""
-    import torch.distributed
-
-    from peerstate.errors import Error
-
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, (torch.distributed.DistError, Error)):
-            return True
-        if isinstance(error, (RuntimeError, OSError)) and any(m in str(error).lower() for m in _PEER_FAILURE_MARKS):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-# Workers of one rank that raised their own error in the same step: then the job stops. Each
-# replacement replays the step; a script that fails it every time would take every spare in turn.
-SCRIPT_ERROR_REPEATS = 3
-
-
-def stop_if_raised_again(kv: KeyValueStore, coordinator: "Coordinator", rank: int, step: int,
-                         error: BaseException) -> None:
-    """Count the script's own error in ``step`` (in the job's store: the replacement
-    that replays the step may be on another node) and stop the job at the
-    SCRIPT_ERROR_REPEATS-th: a deterministic error, which no spare can fix."""
-    repeats = kv.add(keys.script_errors(rank, step), 1)
-    if repeats >= SCRIPT_ERROR_REPEATS:
-        coordinator.fail_job(f"rank {rank} raised {type(error).__name__}: {str(error)[:300]} in step {step}, and "
-                             f"{repeats} of its workers have now raised in that step (each replacement replayed it "
-                             "and raised again): the script's own error, which no spare can fix. The job stops "
-                             "rather than hand the rank to every spare in turn; the traceback is in the rank's log")
-
-
-class StepGuard:
-    """One step's body (``Job.guard``): on a clean exit the step boundary runs; a
-    failure inside, once the coordinator declared it, becomes a recovery. The
-    script's own error (``raised_by_a_peer_failure`` says no, and no failure is
-    declared yet) is raised at once: its rank exits and its agent hands it to a spare,
-    in the time of a kill, where waiting ``failure_grace`` for a plan that only its
-    own death would bring held every other rank that long."""
-
-    def __init__(self, joiner: "EpochJoiner", boundary: StepBoundary, membership: Membership,
-                 events: EventLog, regroup: "BusyPeerRegroup") -> None:
-        self._joiner, self._boundary, self._membership, self._events = joiner, boundary, membership, events
-        self._regroup = regroup
-
-    def __enter__(self) -> None:
-        self.started = time.monotonic()
-
-    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
-        joiner = self._joiner
-        step, epoch = joiner.next_step, self._membership.epoch
-        if exc_type is None and joiner.watcher.latest.epoch == epoch:
-            try:
-                self._boundary.end_step(step, time.monotonic() - self.started, epoch)
-                joiner.next_step = step + 1
-                return False
-            except Exception:  # noqa: BLE001 - a failure during the boundary is a failure too
-                if not joiner.failure_declared(epoch):
-                    raise
-        elif exc_type is not None:
-            if not issubclass(exc_type, Exception):
-                return False  # KeyboardInterrupt, SystemExit
-            if not raised_by_a_peer_failure(exc) and joiner.watcher.latest.epoch == epoch:
-                self._events.write("step_raised", step=step, epoch=epoch, rank=self._membership.rank,
-                                   error=f"{exc_type.__name__}: {str(exc)[:200]}")
-                stop_if_raised_again(joiner.kv, joiner.coordinator, self._membership.rank, step, exc)
-                return False
-            self._regroup.note(exc, epoch, self._membership.rank)
-            if not joiner.failure_declared(epoch) and \
-                    not self._regroup.after(exc, joiner.watcher, epoch, self._membership.rank, step):
-                return False  # no failure was declared: a genuine error in the loop
-        self._events.write("step_interrupted", step=step, epoch=epoch,
-                           error=f"{exc_type.__name__}: {str(exc)[:200]}" if exc_type else None)
-        self._membership.move(MemberState.RECOVERING)
-        return True

@@ -1,0 +1,143 @@
+"""A step's guard (``Job.guard``): what ends a step cleanly, what turns a failure
+inside it into a recovery, what tells the script's own error from a peer's
+failure seen from here, and what is checked before each step."""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, Callable
+
+from peerstate.control import keys
+from peerstate.control.findings import UNGUARDED, report_finding
+from peerstate.control.kvstore import KeyValueStore
+from peerstate.control.timeline import EventLog
+from peerstate.worker.joiner import EpochJoiner
+from peerstate.worker.membership import MemberState, Membership
+from peerstate.worker.step_boundary import StepBoundary
+from peerstate.worker.tracked_state import TrackedState
+from peerstate.worker.unguarded import UnguardedCollectives
+
+if TYPE_CHECKING:
+    from peerstate.control.coordinator import Coordinator
+    from peerstate.worker.regroup import BusyPeerRegroup
+
+
+_PEER_FAILURE_MARKS = ("gloo", "nccl", "c10d", "processgroup", "connection closed by peer", "connection reset",
+                       "broken pipe", "timed out waiting", "aborted", "socket")
+
+
+def raised_by_a_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` (or an exception it was raised from) may be a peer's failure
+    seen from here: a torch.distributed error, a gloo/NCCL error, one of peerstate's.
+    Anything else is the script's own (a bug, a bad batch, an out-of-memory): no
+    recovery is coming for it unless this rank dies, so waiting for one only holds the
+    other ranks in their collectives for ``failure_grace``."""
+    import torch.distributed
+
+    from peerstate.errors import Error
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (torch.distributed.DistError, Error)):
+            return True
+        if isinstance(error, (RuntimeError, OSError)) and any(m in str(error).lower() for m in _PEER_FAILURE_MARKS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+# Workers of one rank that raised their own error in the same step: then the job stops. Each
+# replacement replays the step; a script that fails it every time would take every spare in turn.
+SCRIPT_ERROR_REPEATS = 3
+
+
+def stop_if_raised_again(kv: KeyValueStore, coordinator: "Coordinator", rank: int, step: int,
+                         error: BaseException) -> None:
+    """Count the script's own error in ``step`` (in the job's store: the replacement
+    that replays the step may be on another node) and stop the job at the
+    SCRIPT_ERROR_REPEATS-th: a deterministic error, which no spare can fix."""
+    repeats = kv.add(keys.script_errors(rank, step), 1)
+    if repeats >= SCRIPT_ERROR_REPEATS:
+        coordinator.fail_job(f"rank {rank} raised {type(error).__name__}: {str(error)[:300]} in step {step}, and "
+                             f"{repeats} of its workers have now raised in that step (each replacement replayed it "
+                             "and raised again): the script's own error, which no spare can fix. The job stops "
+                             "rather than hand the rank to every spare in turn; the traceback is in the rank's log")
+
+
+class StepGuard:
+    """One step's body (``Job.guard``): on a clean exit the step boundary runs; a
+    failure inside, once the coordinator declared it, becomes a recovery. The
+    script's own error (``raised_by_a_peer_failure`` says no, and no failure is
+    declared yet) is raised at once: its rank exits and its agent hands it to a spare,
+    in the time of a kill, where waiting ``failure_grace`` for a plan that only its
+    own death would bring held every other rank that long."""
+
+    def __init__(self, joiner: EpochJoiner, boundary: StepBoundary, membership: Membership,
+                 events: EventLog, regroup: "BusyPeerRegroup", ended: Callable[[int], None]) -> None:
+        """``ended(epoch)`` is called once a step ended cleanly, its boundary run."""
+        self._joiner, self._boundary, self._membership, self._events = joiner, boundary, membership, events
+        self._regroup, self._ended = regroup, ended
+
+    def __enter__(self) -> None:
+        self.started = time.monotonic()
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
+        joiner = self._joiner
+        step, epoch = joiner.next_step, self._membership.epoch
+        if exc_type is None and joiner.watcher.latest.epoch == epoch:
+            try:
+                self._boundary.end_step(step, time.monotonic() - self.started, epoch)
+                joiner.next_step = step + 1
+                self._ended(epoch)
+                return False
+            except Exception:  # noqa: BLE001 - a failure during the boundary is a failure too
+                if not joiner.failure_declared(epoch):
+                    raise
+        elif exc_type is not None:
+            if not issubclass(exc_type, Exception):
+                return False  # KeyboardInterrupt, SystemExit
+            if not raised_by_a_peer_failure(exc) and joiner.watcher.latest.epoch == epoch:
+                self._events.write("step_raised", step=step, epoch=epoch, rank=self._membership.rank,
+                                   error=f"{exc_type.__name__}: {str(exc)[:200]}")
+                stop_if_raised_again(joiner.kv, joiner.coordinator, self._membership.rank, step, exc)
+                return False
+            self._regroup.note(exc, epoch, self._membership.rank)
+            if not joiner.failure_declared(epoch) and \
+                    not self._regroup.after(exc, joiner.watcher, epoch, self._membership.rank, step):
+                return False  # no failure was declared: a genuine error in the loop
+        self._events.write("step_interrupted", step=step, epoch=epoch,
+                           error=f"{exc_type.__name__}: {str(exc)[:200]}" if exc_type else None)
+        self._membership.move(MemberState.RECOVERING)
+        return True
+
+
+class StepChecks:
+    """What ``Job.guard`` finds before a step that the run's owner must hear of: a
+    replacement's RNG states changed between its restore and its first step, and
+    collectives run between two guards. Each is said in the worker's log and, as a
+    finding, on its agent's console and in the run's summary (``control.findings``)."""
+
+    def __init__(self, membership: Membership, tracked: TrackedState, unguarded: UnguardedCollectives,
+                 channel: KeyValueStore, events: EventLog) -> None:
+        self._membership, self._tracked, self.unguarded = membership, tracked, unguarded
+        self._channel, self._events = channel, events
+
+    def before_step(self, step: int) -> None:
+        rank, worker = self._membership.rank, self._membership.worker
+        if self._tracked.rng_changed():
+            cause = (f"it was restored to step {step - 1} inside track(), RNG states included, and they "
+                     "changed before its first step: a seed set (torch.manual_seed, random.seed, numpy.random.seed) "
+                     "or a random draw made after track() (a batch prefetched across steps draws too) replaced "
+                     "them. Seed before Job() and track(), or draw from a generator seeded by the step "
+                     "(docs/training-script.md, 'What a training script must and must not do').")
+            print(f"peerstate: rank {rank} {cause}", file=sys.stderr, flush=True)
+            self._events.write("rng_changed_after_restore", rank=rank, step=step)
+            report_finding(self._channel, rank, worker, step, cause)
+            warnings.warn(cause, RuntimeWarning, stacklevel=3)
+        cause = self.unguarded.cause(self._membership.epoch, step)
+        if cause:
+            print(f"peerstate: rank {rank}: {cause}", file=sys.stderr, flush=True)
+            report_finding(self._channel, rank, worker, step, cause, kind=UNGUARDED)

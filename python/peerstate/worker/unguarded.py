@@ -1,0 +1,54 @@
+"""Collectives the script runs between two guarded steps. A peer that fails while
+one runs is not recovered there: the collective raises outside ``job.guard()`` and
+the rank exits, or waits out its timeout. torch counts each group's collectives
+(p2p included) in its sequence number; a count that moved between the end of one
+step's guard and the start of the next is such a collective."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+
+class UnguardedCollectives:
+    """``mark(epoch)`` at a step's clean end, ``moved(epoch)`` at the next guard: the
+    groups (by description) whose count moved in between, within the same epoch."""
+
+    def __init__(self, groups: Callable[[], List[Any]]) -> None:
+        self._groups = groups  # the process groups to count (peerstate's own, this epoch)
+        self._marked: Optional[Dict[Any, int]] = None
+        self._epoch: Optional[int] = None
+        self._said = False
+
+    def mark(self, epoch: int) -> None:
+        self._marked, self._epoch = self._counts(), epoch
+
+    def cause(self, epoch: int, step: int) -> Optional[str]:
+        """What to report at the guard of ``step``, the first time counts moved (None
+        otherwise, and every time after: once said, it is not said again)."""
+        moved = [] if self._said else self.moved(epoch)
+        if not moved:
+            return None
+        self._said = True
+        return (f"the collectives of {', '.join(moved)} ran between the end of step {step - 1}'s guard and step "
+                f"{step}'s. A rank that fails while one runs is not recovered: the others raise outside the guard "
+                "and exit, or wait out the collective's timeout. Run them inside job.guard() (a metric's "
+                "all_reduce, a barrier, a checkpoint's collectives).")
+
+    def moved(self, epoch: int) -> List[str]:
+        if self._marked is None or self._epoch != epoch:
+            return []
+        import torch.distributed as dist
+
+        now = self._counts()
+        return [f"ranks {dist.get_process_group_ranks(group)}"
+                + (f" ({group.group_desc})" if getattr(group, "group_desc", "undefined") != "undefined" else "")
+                for group, count in now.items() if count != self._marked.get(group, count)]
+
+    def _counts(self) -> Dict[Any, int]:
+        counts = {}
+        for group in self._groups():
+            try:
+                counts[group] = group._get_sequence_number_for_group()
+            except Exception:  # noqa: BLE001 - a backend that keeps no count (fake): not watched
+                continue
+        return counts
