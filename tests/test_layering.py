@@ -3,13 +3,20 @@
 ``TYPE_CHECKING``, absolute or relative, ``import peerstate.x`` or ``from peerstate
 import x``. A plane imports only planes below it; ``worker/`` and ``launcher/``
 never each other; the root package (``import peerstate``, the public API) only from
-the top; and no two modules import each other, directly or around a loop."""
+the top; and no two modules import each other, directly or around a loop. The
+native core's directories include one way too (``#include "dir/..."``)."""
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "peerstate"
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+# The native core's directories by rank: device/ (CUDA and NCCL) implements interfaces of
+# common/ (DeviceCopyEngine) and net/ (its NCCL Transport); replication/ and device/ never
+# include each other; bindings/ sees everything.
+NATIVE_RANKS = {"common": 0, "store": 1, "net": 2, "replication": 3, "device": 3, "bindings": 4}
 
 # Leaves any module may import: the native module, the errors it raises, the key schema.
 LEAVES = {"peerstate._C", "peerstate.errors", "peerstate.control.keys"}
@@ -140,4 +147,34 @@ def test_a_planted_back_import_a_root_import_and_a_loop_are_each_found(tmp_path)
         "peerstate.state.buffers (state) imports peerstate.worker.job (worker)",
         "peerstate.worker.job (worker) imports peerstate.launcher.agent (launcher)",
         "import cycle: peerstate.control.kvstore -> peerstate.control.memory_store -> peerstate.control.kvstore",
+    ]
+
+
+def include_violations(csrc: Path) -> List[str]:
+    wrong = []
+    for path in sorted(csrc.rglob("*")):
+        if path.suffix not in (".h", ".cc", ".cu", ".cuh"):
+            continue
+        mine = path.relative_to(csrc).parts[0]
+        for line, target in re.findall(r'^(\s*#\s*include\s+"([a-z_]+)/[^"]+")', path.read_text(), re.M):
+            if target == mine:
+                continue
+            if NATIVE_RANKS.get(target, 99) >= NATIVE_RANKS.get(mine, -1):
+                wrong.append(f"{path.relative_to(csrc)} ({mine}) includes {target}/: {line.strip()}")
+    return wrong
+
+
+def test_the_native_directories_include_one_way():
+    assert include_violations(CSRC) == []
+
+
+def test_a_planted_wrong_include_is_found(tmp_path):
+    for name, text in {"store/snapshot_store.h": '#include "common/status.h"\n#include "device/cuda_copy.h"\n',
+                       "device/nccl_transport.h": '#include "net/transport.h"\n',
+                       "replication/replicator.cc": '#include "device/nccl_transport.h"\n'}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert include_violations(tmp_path) == [
+        'replication/replicator.cc (replication) includes device/: #include "device/nccl_transport.h"',
+        'store/snapshot_store.h (store) includes device/: #include "device/cuda_copy.h"',
     ]

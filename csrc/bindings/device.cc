@@ -7,7 +7,7 @@
 #include <string>
 
 #include "bindings/common.h"
-#include "device/device_copy.h"
+#include "common/device_copy.h"
 #include "device/nccl_library.h"
 #include "device/nccl_transport.h"
 

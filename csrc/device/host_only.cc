@@ -1,5 +1,5 @@
 // Host-only build: there is no device path, and every request for one says why.
-#include "device/device_copy.h"
+#include "common/device_copy.h"
 #include "device/nccl_transport.h"
 
 namespace peerstate {

@@ -37,7 +37,7 @@
 #include "common/deadline.h"
 #include "common/host_memory.h"
 #include "common/status.h"
-#include "device/device_copy.h"
+#include "common/device_copy.h"
 #include "store/process_index.h"
 #include "store/version_meta.h"
 

@@ -41,7 +41,7 @@
 #include "common/host_memory.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
-#include "device/device_copy.h"
+#include "common/device_copy.h"
 #include "store/layout.h"
 #include "store/process_index.h"
 

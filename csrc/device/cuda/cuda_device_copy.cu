@@ -1,4 +1,4 @@
-// The CUDA implementation of DeviceCopyEngine (see device/device_copy.h).
+// The CUDA implementation of DeviceCopyEngine (see common/device_copy.h).
 //
 // One non-blocking stream per device, so snapshot copies overlap the
 // training's compute stream; one reusable event per ticket, so a snapshot
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "device/device_copy.h"
+#include "common/device_copy.h"
 
 namespace peerstate {
 namespace {

@@ -1,8 +1,10 @@
 // DeviceCopyEngine: the snapshot store's only window onto GPU memory.
 //
-// The host-only build links device_copy_unavailable.cc, whose create() fails
-// with kUnavailable; a CUDA build links csrc/device/cuda/cuda_device_copy.cu. The
-// core never includes a CUDA header, so the CPU build sees no CUDA code.
+// The host-only build links device/host_only.cc, whose create() fails with
+// kUnavailable; a CUDA build links device/cuda/cuda_device_copy.cu. The core never
+// includes a CUDA header, so the CPU build sees no CUDA code. The interface lives
+// in common/ so that store/ holds an engine without depending on device/, which
+// sits above net/ (its NCCL transport is a net::Transport).
 //
 // Threading: begin_to_host() is called from one thread at a time (the store
 // serialises it); wait_to_host() may be called from any worker thread,
