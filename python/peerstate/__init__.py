@@ -28,8 +28,6 @@ _EXPORTS = {
 
 
 def __getattr__(name: str) -> Any:
-    if name == "_C":
-        return importlib.import_module("peerstate._C")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'peerstate' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
