@@ -491,6 +491,21 @@ def test_whole_node_killed(run, reference, data_parallel):
     assert "node 1 lost" in plans[0]["reason"]
 
 
+def test_the_node_that_hosts_the_tcpstore_lost_stops_the_others_saying_so(run):
+    # The embedded TCPStore is node 0's: the one loss it does not survive (etcd does, see
+    # test_replicated_store). Node 1 must say the store went, not fail on some other error.
+    job = run()
+    job.wait_for(lambda: job.spare_pids(), "the spare")
+    job.wait_for_step(2, 5)
+    job.kill_node(0)
+    codes = job.wait()
+    assert codes == [-signal.SIGKILL, 1], job.describe()
+    summary = job.agent_logs[1].read_text()
+    assert "the job cannot go on: node 1 lost" in summary and "hosted by node 0's agent" in summary, summary
+    assert "agent failed" not in summary and "Traceback" not in summary, summary
+    assert not job.leftover_processes()
+
+
 def test_rank_and_its_only_buddy_lost_stops_the_job_cleanly(run):
     job = run(nodes=[(2, 2), (2, 0)])
     job.wait_for(lambda: len(job.events("spare_ready")) >= 2, "both spares")

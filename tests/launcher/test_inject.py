@@ -1,9 +1,16 @@
 """The fault injector: spec parsing, the reproducible random schedule, when faults
 fall due, and a real job whose fault is injected by its agent."""
 
+import os
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
 import pytest
 
 from peerstate import InvalidArgumentError
+from peerstate.launcher.fault_delivery import _signal_group
 from peerstate.launcher.inject import FaultInjector, parse
 
 
@@ -84,3 +91,14 @@ def test_faults_fall_due_once_on_the_node_that_runs_the_rank():
     node1 = FaultInjector(["kill-node:node=1:time=3", "hang:rank=3:time=2"], world_size=4, nnodes=2, node=1)
     assert node1.due({2: 1, 3: 1}, 1.0) == []  # nothing before its time
     assert sorted(f.kind for f in node1.due({2: 1, 3: 1}, 3.5)) == ["hang", "kill-node"]
+
+
+def test_a_fault_on_a_worker_whose_group_is_gone_lands_on_nothing_and_does_not_stop_the_agent():
+    """kill-node signals every process group the agent holds; one whose worker died and
+    was reaped since the last poll is gone (ESRCH). That once ended the agent with
+    'lost the store' before it could kill itself (soak seed 13)."""
+    worker = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    worker.wait(timeout=60)
+    _signal_group(SimpleNamespace(popen=worker), signal.SIGKILL)  # no ProcessLookupError
+    with pytest.raises(ProcessLookupError):
+        os.killpg(worker.pid, signal.SIGKILL)  # what it would have raised

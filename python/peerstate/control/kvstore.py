@@ -17,8 +17,20 @@ from __future__ import annotations
 
 import datetime
 import socket
+import sys
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
+
+from peerstate.errors import StoreUnavailableError
+
+
+def store_gone(error: BaseException) -> bool:
+    """Whether ``error`` says the store cannot be reached (etcd past its bound, a TCPStore's
+    socket closed) rather than something wrong in the caller."""
+    if isinstance(error, (StoreUnavailableError, ConnectionError)):
+        return True
+    dist = sys.modules.get("torch.distributed")  # loaded by whoever holds a TCPStore
+    return dist is not None and isinstance(error, dist.DistError)
 
 
 class KeyValueStore:

@@ -27,11 +27,11 @@ from typing import Callable, Dict, List, Optional
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
-from peerstate.control.kvstore import KeyValueStore
+from peerstate.control.kvstore import KeyValueStore, store_gone
 from peerstate.control.messages import NodeReport, RecoveryPlan
 from peerstate.control.plan_writer import InstructionWriter
 from peerstate.control.planning import node_of_worker
-from peerstate.errors import JobFailedError, StoreUnavailableError
+from peerstate.errors import JobFailedError
 
 POLL_SECONDS = 0.25  # how often a wait on the node's members looks for a newer epoch
 
@@ -79,11 +79,11 @@ class NodeRelay:
                 plan = self._next_plan(stop)
                 if plan is not None:
                     self.relay(plan)
-        except StoreUnavailableError:
-            return  # the agent's own calls meet the same store, and stop it
         except JobFailedError as error:
             self._on_failure(str(error))
-        except Exception as error:  # noqa: BLE001 - the store went away
+        except Exception as error:  # noqa: BLE001 - said by the agent, or here
+            if store_gone(error):
+                return  # the agent's own calls meet the same store, and stop it
             if not stop.is_set():
                 self._on_failure(f"node {self.node} could not relay the recovery protocol: {error}")
 

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -36,7 +37,7 @@ from peerstate.control import progress as progress_file
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, STACKS_SIGNAL, WorkerEnvironment, job_secret
 from peerstate.control.findings import FindingsReader
-from peerstate.control.kvstore import TorchKeyValueStore
+from peerstate.control.kvstore import TorchKeyValueStore, store_gone
 from peerstate.control.node_relay import NodeRelay
 from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
 from peerstate.control.progress import ProgressCounter
@@ -99,10 +100,17 @@ class Agent:
         except InvalidArgumentError as error:  # found only on reaching the store (a refused certificate)
             print(f"peerstate run: {error}", file=sys.stderr, flush=True)
             return 2
-        except Exception as error:  # noqa: BLE001 - DistNetworkError and kin: the store is gone
+        except Exception as error:  # noqa: BLE001 - a TCPStore gone, or a bug of ours: said as what it is
             if not hasattr(self, "kv"):
                 raise
-            return self._lost_store(f"node {self.node} lost {self.kv.describe()}, hosted by node 0's agent: {error}")
+            if store_gone(error):
+                return self._lost_store(f"node {self.node} lost {self.kv.describe()}, hosted by node 0's agent: "
+                                        f"{error}")
+            self.events.write("agent_failed", node=self.node, error=traceback.format_exc())
+            print(f"peerstate: node {self.node}'s agent failed (a bug in peerstate; please report it with this "
+                  f"traceback); its workers and spares stop with it, and the other nodes treat the node as "
+                  f"lost:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            return 1
         finally:
             self._kill_all()
 

@@ -57,6 +57,14 @@ class FaultDelivery:
         print(f"peerstate: injecting {fault.describe()}", file=sys.stderr, flush=True)
         if fault.kind == "kill-node":  # everything this agent runs, then the agent itself
             for process in processes.values():
-                os.killpg(process.popen.pid, signal.SIGKILL)
+                _signal_group(process, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
-        os.killpg(victim.popen.pid, signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+        _signal_group(victim, signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+
+
+def _signal_group(process: WorkerProcess, signum: int) -> None:
+    """A group that is gone already (a worker dead and reaped since the last poll) has nothing left to hit."""
+    try:
+        os.killpg(process.popen.pid, signum)
+    except ProcessLookupError:
+        pass
