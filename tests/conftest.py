@@ -19,3 +19,14 @@ def store():
     s = peerstate.SnapshotStore(threads=2, chunk_bytes=64 * 1024)
     yield s
     s.close()
+
+
+# Tests that start whole jobs (agents, workers, spares, etcd) live in these folders;
+# `pytest -m "not e2e"` leaves them out (pyproject.toml registers the marker).
+E2E_FOLDERS = {"e2e", "integrations"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.parent.name in E2E_FOLDERS:
+            item.add_marker(pytest.mark.e2e)

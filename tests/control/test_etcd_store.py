@@ -28,6 +28,7 @@ def cluster(tmp_path, request):
     etcd.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("cluster", [3], indirect=True)
 def test_losing_the_leader_loses_no_write_and_no_wait(cluster):
     kv = EtcdKeyValueStore(cluster.endpoints, "/peerstate/leader/", unavailable_timeout=15)

@@ -130,6 +130,7 @@ while True:
 """
 
 
+@pytest.mark.e2e
 def test_two_neighbouring_agents_killed_together_are_each_declared_once_by_a_live_one():
     # The ring on a real store with real processes: agents 2 and 3 are SIGKILLed at
     # once; agent 1 watches both, agent 0 watches 2 and then reaches on to 3. Each is

@@ -64,6 +64,7 @@ def orders(node, epoch, rank):
     return expand(node_orders, reports, [rank])[rank]
 
 
+@pytest.mark.e2e
 def test_a_recovery_hands_every_member_its_instructions_at_a_cost_per_rank_that_does_not_grow(store):
     costs = {}
     for nnodes in (4, 32):
@@ -141,6 +142,7 @@ def test_a_plan_writer_killed_after_gathering_is_replaced_by_a_newer_epoch(store
         stop(locals().get("nodes", {}))
 
 
+@pytest.mark.e2e
 def test_a_silent_owner_whose_node_was_lost_is_taken_over(store):
     kv, address = store
     nodes = start_nodes(address, 4, [0, 1, 2])

@@ -38,6 +38,7 @@ def test_slurm_defaults():
         slurm_defaults({"SLURM_NNODES": "two", "SLURM_NODEID": "0"})
 
 
+@pytest.mark.e2e
 def test_agents_started_as_srun_starts_them_take_their_node_from_slurm(tmp_path):
     pytest.importorskip("torch")
     secret = tmp_path / "job.secret"

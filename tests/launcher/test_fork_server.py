@@ -134,6 +134,7 @@ OPTIMIZER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_a_forked_worker_builds_its_optimizer_without_importing_anything_heavy(tmp_path):
     """The default preload holds what torch's optimizers import when they are built
     (torch._dynamo: seconds of a spare's start, on its way to ready)."""

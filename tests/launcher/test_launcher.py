@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # several real processes per test: left out of `-m "not e2e"`
+
 pytest.importorskip("torch")
 
 from helpers.jobs import Job  # noqa: E402

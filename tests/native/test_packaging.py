@@ -30,6 +30,7 @@ def venv_with_wheel(tmp_path_factory):
     return python, tmp
 
 
+@pytest.mark.e2e
 def test_imports_in_fresh_venv_from_outside_the_repo(venv_with_wheel):
     python, tmp = venv_with_wheel
     script = textwrap.dedent(

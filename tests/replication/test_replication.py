@@ -8,6 +8,8 @@ import pytest
 
 from helpers.cluster import Cluster, PeerError
 
+pytestmark = pytest.mark.e2e  # several real processes per test: left out of `-m "not e2e"`
+
 SMALL = dict(large_bytes=2 << 20, small_count=2000, small_bytes=1024)  # ~4 MiB in 2002 tensors
 
 

@@ -12,6 +12,8 @@ from peerstate import _C
 
 from helpers.cluster import Cluster, PeerError
 
+pytestmark = pytest.mark.e2e  # several real processes per test: left out of `-m "not e2e"`
+
 SMALL = dict(large_bytes=2 << 20, small_count=200, small_bytes=1024, chunk_bytes=256 << 10)
 
 

@@ -15,6 +15,7 @@ from peerstate.tools.local import kill_all, start_plain_workers  # noqa: E402
 WORKER = Path(__file__).parents[1] / "helpers" / "fsdp_shard_worker.py"
 
 
+@pytest.mark.e2e
 def test_each_rank_snapshots_and_restores_its_own_shard(tmp_path):
     workers = start_plain_workers([str(WORKER)], 2, tmp_path / "fsdp")
     try:

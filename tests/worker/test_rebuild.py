@@ -95,6 +95,7 @@ os.kill(os.getpid(), signal.SIGSTOP)
 """
 
 
+@pytest.mark.e2e
 def test_an_abort_ends_a_backward_whose_bucket_reduction_nothing_else_ends(monkeypatch):
     # Seen in the soak: a node lost while a survivor's DDP bucket was part way through
     # arriving from it. gloo fails the pair but does not wake the receive it was reading
@@ -177,6 +178,7 @@ groups.destroy()
 """
 
 
+@pytest.mark.e2e
 def test_a_rebuild_goes_on_while_the_aborted_groups_reduction_still_runs(monkeypatch):
     # The abort failed the bucket reduction DDP waited for; gloo still runs it, for the
     # group's timeout. The rebuild keeps the old reducer (and the aborted group it holds)
@@ -247,6 +249,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.e2e
 def test_the_abortable_reduction_gives_ddps_own_gradients_bit_for_bit(monkeypatch):
     # job.ddp()'s DDP reduces through peerstate's comm hook (scale by 1/3, then sum) where a
     # plain DDP scales each gradient as it copies it into the bucket, then sums: the same
