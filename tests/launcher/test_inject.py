@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from peerstate import InvalidArgumentError
-from peerstate.launcher.fault_delivery import _signal_group
 from peerstate.launcher.inject import FaultInjector, parse
+from peerstate.launcher.processes import WorkerProcess
 
 
 def test_specs_parse():
@@ -99,6 +99,6 @@ def test_a_fault_on_a_worker_whose_group_is_gone_lands_on_nothing_and_does_not_s
     'lost the store' before it could kill itself (soak seed 13)."""
     worker = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     worker.wait(timeout=60)
-    _signal_group(SimpleNamespace(popen=worker), signal.SIGKILL)  # no ProcessLookupError
+    assert not WorkerProcess.signal_group(SimpleNamespace(popen=worker), signal.SIGKILL)  # no ProcessLookupError
     with pytest.raises(ProcessLookupError):
         os.killpg(worker.pid, signal.SIGKILL)  # what it would have raised

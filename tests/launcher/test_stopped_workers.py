@@ -2,6 +2,7 @@
 processes, a real node channel (TCPStore) and real signals."""
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -82,3 +83,17 @@ def test_a_hung_worker_with_no_index_is_not_frozen(node):
     assert not stopped.freeze(hung)
     assert state(hung.popen.pid) != b"T" and channel.get(keys.stopped_holder(2)) is None
     assert not stopped.forget(hung)
+
+
+def test_a_worker_that_died_before_it_could_be_stopped_or_killed_raises_nothing(node):
+    # A hung worker can die, and be reaped, between the agent's reading of its counter and
+    # its signal: freezing it is declined (the caller kills it), and the kill finds no group.
+    make, stopped, channel, _ = node
+    hung = make(2, address=7)
+    assert hung.signal_group(signal.SIGSTOP)
+    wait_until(lambda: state(hung.popen.pid) == b"T", "the stop", 10, [])
+    hung.popen.kill()
+    assert hung.popen.wait() == -signal.SIGKILL
+    assert not stopped.freeze(hung)
+    assert channel.get(keys.stopped_holder(2)) is None
+    assert not hung.signal_group(signal.SIGKILL)

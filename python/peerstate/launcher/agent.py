@@ -419,7 +419,7 @@ class Agent:
                                  f"rank {process.rank} ({process.worker}) {process.describe_hang(held=True)}",
                                  time.time())
                     continue
-                os.killpg(process.popen.pid, signal.SIGKILL)  # reaped, and reported, by the next poll
+                process.signal_group(signal.SIGKILL)  # reaped, and reported, by the next poll
         self.stopped.kill_released(now)
 
     def _ask_for_stacks(self, process: WorkerProcess) -> None:
@@ -491,10 +491,7 @@ class Agent:
             self._relay_thread.join(timeout=5.0)
         for process in self.processes.values():
             if process.popen.poll() is None:
-                try:
-                    os.killpg(process.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                process.signal_group(signal.SIGKILL)
             process.popen.wait()
             process.counter.close()
             process.exit_watch.close()

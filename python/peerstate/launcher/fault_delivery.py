@@ -57,14 +57,6 @@ class FaultDelivery:
         print(f"peerstate: injecting {fault.describe()}", file=sys.stderr, flush=True)
         if fault.kind == "kill-node":  # everything this agent runs, then the agent itself
             for process in processes.values():
-                _signal_group(process, signal.SIGKILL)
+                process.signal_group(signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
-        _signal_group(victim, signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
-
-
-def _signal_group(process: WorkerProcess, signum: int) -> None:
-    """A group that is gone already (a worker dead and reaped since the last poll) has nothing left to hit."""
-    try:
-        os.killpg(process.popen.pid, signum)
-    except ProcessLookupError:
-        pass
+        victim.signal_group(signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)

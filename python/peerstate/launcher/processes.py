@@ -82,6 +82,17 @@ class WorkerProcess:
         """How it hung, for its exit and its report (``HANG_CAUSES``, ``HANG_HELD``)."""
         return (HANG_HELD if held else HANG_CAUSES)[self.hung].format(frozen=self.frozen)
 
+    def signal_group(self, signum: int) -> bool:
+        """Send ``signum`` to its process group (its script and whatever the script started).
+        Returns False when the group is gone: it died, and was maybe reaped, since the
+        agent last looked, a race every caller must survive (its exit is reported by the
+        agent's next poll), not an error."""
+        try:
+            os.killpg(self.popen.pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
 
 # Linux's PF_EXITING: set on a task as it enters do_exit(), before its memory is released.
 _PF_EXITING = 0x4

@@ -14,7 +14,6 @@ one cannot read it) is killed at the end of its hold; one with no index yet
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from typing import Dict
@@ -49,9 +48,7 @@ class StoppedWorkers:
         if not address or process.rank is None:
             return False
         pid = process.popen.pid
-        try:
-            os.killpg(pid, signal.SIGSTOP)
-        except ProcessLookupError:
+        if not process.signal_group(signal.SIGSTOP):
             return False
         process.held = True
         self._held[pid] = (process, time.monotonic() + self.hold_seconds)
@@ -71,10 +68,7 @@ class StoppedWorkers:
             self.channel.set(keys.stopped_holder(process.rank), b"")  # a later replacement of the rank reads none
             self.events.write("hung_worker_killed", worker=process.worker, rank=process.rank, pid=pid,
                               released=flag is not None)
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            process.signal_group(signal.SIGKILL)
             del self._held[pid]
 
     def forget(self, process: WorkerProcess) -> bool:
