@@ -60,10 +60,12 @@ void bind_net(py::module_& m) {
   py::class_<TcpServer, std::unique_ptr<TcpServer, ReleaseGilDeleter>>(m, "TcpServer")
       .def(py::init([](ReplicaStore* replicas, SnapshotStore* own, const py::bytes& secret, int rank,
                        const std::string& host, int port, long io_timeout_ms, const std::string& protection,
-                       size_t max_handshaking, size_t max_per_peer, size_t max_connections) {
+                       size_t max_handshaking, size_t max_handshaking_per_source, size_t max_per_peer,
+                       size_t max_connections) {
              std::unique_ptr<TcpServer> server;
              TcpOptions o = tcp_options(secret, rank, protection, 1, 5000, io_timeout_ms);
              o.max_handshaking = max_handshaking;
+             o.max_handshaking_per_source = max_handshaking_per_source;
              o.max_per_peer = max_per_peer;
              o.max_connections = max_connections;
              call_without_gil([&] { return TcpServer::start(o, host, port, replicas, own, &server); });
@@ -72,6 +74,7 @@ void bind_net(py::module_& m) {
            py::arg("replicas"), py::arg("own_store").none(true), py::kw_only(), py::arg("secret"),
            py::arg("rank"), py::arg("host") = "127.0.0.1", py::arg("port") = 0, py::arg("io_timeout_ms") = 30000,
            py::arg("protection") = "authenticated", py::arg("max_handshaking") = TcpOptions().max_handshaking,
+           py::arg("max_handshaking_per_source") = TcpOptions().max_handshaking_per_source,
            py::arg("max_per_peer") = TcpOptions().max_per_peer,
            py::arg("max_connections") = TcpOptions().max_connections, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def("serve", [](TcpServer& s, uint32_t index, SnapshotStore* store) { raise_if_error(s.serve(index, store)); },
@@ -84,6 +87,7 @@ void bind_net(py::module_& m) {
         d["accepted"] = st.accepted;
         d["rejected"] = st.rejected;
         d["refused"] = st.refused;
+        d["evicted"] = st.evicted;
         d["active"] = st.active;
         return d;
       });

@@ -17,10 +17,14 @@ struct TcpOptions {
   // Per transfer step; also how long a server keeps an idle authenticated
   // connection (a client reopens one idle for half of it before use).
   long io_timeout_ms = 30000;
-  // Server side: connections still in their handshake, connections of one
-  // authenticated peer, and all connections; the excess is closed at once and
-  // logged once per second.
-  size_t max_handshaking = 16;
+  // Server side: connections still in their handshake (in all, and from one
+  // source address), connections of one authenticated peer, and all
+  // connections. A newcomer over a handshake cap is admitted and the oldest
+  // handshake of its own source, or of the source holding most, is closed
+  // (tcp_server.h says why); over the other caps the newcomer is closed at
+  // once. Each kind is logged once per second.
+  size_t max_handshaking = 32;
+  size_t max_handshaking_per_source = 8;
   size_t max_per_peer = 16;
   size_t max_connections = 256;
 };

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <system_error>
+#include <vector>
 
 #include "common/crc32c.h"
 
@@ -12,6 +13,7 @@ namespace {
 
 constexpr long kHandshakeMs = 5000;
 constexpr size_t kMetadataFloorBytes = 1u << 20;  // metadata may also take 1/64 of a version's bytes
+constexpr size_t kMetadataPieceBytes = 64u << 10;
 
 // Log lines that a hostile peer could make a flood of: each kind at most once a
 // second, with a count of what was left out.
@@ -60,8 +62,11 @@ struct TcpServer::Connection {
   std::thread thread;
   std::atomic<bool> done{false};
   std::atomic<bool> authenticated{false};
+  std::atomic<bool> evicted{false};
   int32_t peer_rank = -1;
   std::string name;
+  std::string source;  // the peer's address without its port
+  Clock::time_point since = Clock::now();
   HostRegion staging;  // pinned; only for a device replica store
 };
 
@@ -129,6 +134,7 @@ TcpServerStats TcpServer::stats() const {
   s.accepted = accepted_.load();
   s.rejected = rejected_.load();
   s.refused = refused_.load();
+  s.evicted = evicted_.load();
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& c : connections_)
     if (!c->done.load()) s.active++;
@@ -153,15 +159,42 @@ void TcpServer::reap(bool all) {
 }
 
 bool TcpServer::admit(std::string* why) {
-  size_t total = 0, handshaking = 0;
-  for (const auto& c : connections_) {
-    if (c->done.load()) continue;
-    total++;
-    if (!c->authenticated.load()) handshaking++;
-  }
+  size_t total = 0;
+  for (const auto& c : connections_)
+    if (!c->done.load() && !c->evicted.load()) total++;
   if (total >= options_.max_connections) *why = std::to_string(total) + " connections are open already";
-  else if (handshaking >= options_.max_handshaking) *why = std::to_string(handshaking) + " are still in their handshake";
   return why->empty();
+}
+
+TcpServer::Connection* TcpServer::handshake_to_evict(const std::string* source) const {
+  std::map<std::string, std::vector<Connection*>> by_source;  // each in accept order: oldest first
+  size_t total = 0;
+  for (const auto& c : connections_) {
+    if (c->done.load() || c->authenticated.load() || c->evicted.load()) continue;
+    by_source[c->source].push_back(c.get());
+    total++;
+  }
+  if (source != nullptr) {
+    auto own = by_source.find(*source);
+    if (own != by_source.end() && own->second.size() >= options_.max_handshaking_per_source)
+      return own->second.front();
+    if (total < options_.max_handshaking) return nullptr;
+  }
+  if (by_source.empty()) return nullptr;
+  auto busiest = std::max_element(by_source.begin(), by_source.end(), [](const auto& a, const auto& b) {
+    return a.second.size() < b.second.size();
+  });
+  return busiest->second.front();
+}
+
+void TcpServer::evict(Connection* victim, const std::string& why) {
+  victim->evicted = true;
+  victim->channel.socket.shutdown();  // its handshake fails at once; its thread ends and is reaped
+  evicted_++;
+  const long held_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - victim->since).count();
+  log().write("evicted", "closing a connection from " + victim->name + " still in its handshake after " +
+                             std::to_string(held_ms) + " ms: " + why);
 }
 
 void TcpServer::accept_loop() {
@@ -172,8 +205,17 @@ void TcpServer::accept_loop() {
     reap(false);
     if (!st.ok()) {
       if (st.code() == StatusCode::kTimeout || stopping_.load()) continue;
-      // Descriptors exhausted, say: accepting again at once would fail at once.
-      backoff_ms = std::min<long>(1000, backoff_ms ? 2 * backoff_ms : 10);
+      // Descriptors exhausted, say: accepting again at once would fail at once. A
+      // handshake that holds one gives it up, so that the next in the backlog gets it.
+      bool freed = false;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (Connection* victim = handshake_to_evict(nullptr)) {
+          evict(victim, "accept found no free descriptor");
+          freed = true;
+        }
+      }
+      backoff_ms = freed ? 10 : std::min<long>(1000, backoff_ms ? 2 * backoff_ms : 10);
       log().write("accept", "accept failed: " + st.message() + "; retrying in " + std::to_string(backoff_ms) + " ms");
       std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
       continue;
@@ -182,6 +224,7 @@ void TcpServer::accept_loop() {
     auto c = std::make_unique<Connection>();
     c->channel.socket = std::move(socket);
     c->name = c->channel.peer_name();
+    c->source = c->name.substr(0, c->name.rfind(':'));
     Connection* raw = c.get();
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_.load()) break;
@@ -191,6 +234,8 @@ void TcpServer::accept_loop() {
       log().write("refused", "refusing a connection from " + raw->name + ": " + why);
       continue;  // closed as it goes out of scope
     }
+    if (Connection* victim = handshake_to_evict(&raw->source))
+      evict(victim, "room for a newer one from " + raw->name);
     try {
       raw->thread = std::thread([this, raw] { serve_connection(raw); });
     } catch (const std::system_error& error) {  // threads exhausted (pids.max, RLIMIT_NPROC): refuse, never abort
@@ -207,6 +252,7 @@ void TcpServer::serve_connection(Connection* c) {
   // A client must finish the handshake quickly: a silent or slow one is not held open.
   Status st = handshake_server(c->channel, options_.secret, options_.protection, &c->peer_rank,
                                deadline_after_ms(std::min<long>(options_.io_timeout_ms, kHandshakeMs)));
+  if (st.ok() && c->evicted.load()) st = Status(StatusCode::kBusy, "evicted at the end of its handshake");
   if (st.ok()) {
     std::lock_guard<std::mutex> lock(mutex_);
     size_t same_peer = 0;
@@ -222,7 +268,7 @@ void TcpServer::serve_connection(Connection* c) {
     }
   }
   if (!st.ok()) {
-    if (!stopping_.load()) {
+    if (!stopping_.load() && !c->evicted.load()) {  // an eviction was counted and logged by evict()
       if (st.code() != StatusCode::kBusy) rejected_++;
       log().write("handshake", "closing connection from " + c->name + ": " + st.message());
     }
@@ -257,8 +303,9 @@ Status TcpServer::handle(Connection& c, const FrameHeader& h) {
   Channel& channel = c.channel;
   switch (static_cast<FrameType>(h.type)) {
     case FrameType::kPutBegin: {
-      // Metadata is bounded by what the sender's reservation allows, and read as it
-      // arrives: nothing is allocated for bytes that were only announced.
+      // Metadata is bounded by what the sender's reservation allows, and read in pieces
+      // of kMetadataPieceBytes: what is allocated follows what arrived, not what was
+      // announced (a connection that announces the bound and sends nothing holds one piece).
       const size_t limit = std::min(kMaxMetadataBytes,
                                     std::max(kMetadataFloorBytes, replicas_->reservation(c.peer_rank) / 64));
       if (h.length > limit)
@@ -268,7 +315,7 @@ Status TcpServer::handle(Connection& c, const FrameHeader& h) {
       std::string bytes;
       while (bytes.size() < h.length) {
         const size_t at = bytes.size();
-        bytes.resize(at + std::min<size_t>(h.length - at, 1u << 20));
+        bytes.resize(at + std::min<size_t>(h.length - at, kMetadataPieceBytes));
         PEERSTATE_RETURN_IF_ERROR(channel.recv_payload(bytes.data() + at, bytes.size() - at, deadline));
       }
       PEERSTATE_RETURN_IF_ERROR(channel.end_frame(deadline));
@@ -348,13 +395,15 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
     VersionView view;
     st = own == nullptr ? Status(StatusCode::kNotFound, "rank " + std::to_string(options_.rank) + " serves no store " +
                                                             std::to_string(h.store) + " of its own state")
-                        : own->view(version, &view);
+                        : own->view(version, &view, [&c] { c.channel.socket.shutdown(); });
     if (st.ok() && view.checksums.empty())
       st = Status(StatusCode::kUnavailable, "this rank's snapshots have checksums off; they cannot be served");
     if (st.ok()) {
       served.meta = meta_of(options_.rank, view);
       served.data = view.data;
-      served.keep_alive = view.pin;  // the slot is not reused while its bytes are sent
+      // The slot is not reused while its bytes are sent, unless the owner needs it: then
+      // the socket is shut down (the revoke above), the send fails and the reader gets an error.
+      served.keep_alive = view.pin;
     }
   } else if (h.store != 0) {
     st = Status(StatusCode::kNotFound, "replicas of other ranks are kept in store 0 only (asked for store " +

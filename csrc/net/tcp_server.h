@@ -12,11 +12,22 @@
 // has not arrived).
 //
 // Bounded in number and time: at most TcpOptions::max_handshaking connections
-// in their handshake, max_per_peer per authenticated rank and max_connections
-// in all (the excess is closed at once); a handshake has 5 s at most, and an
-// authenticated connection that sends nothing for io_timeout_ms is closed. A
-// connection's thread that cannot be created closes the connection; accept
-// errors (descriptors exhausted) back off up to a second.
+// in their handshake (max_handshaking_per_source from one source address),
+// max_per_peer per authenticated rank and max_connections in all; a handshake
+// has 5 s at most, and an authenticated connection that sends nothing for
+// io_timeout_ms is closed. A connection's thread that cannot be created closes
+// the connection; accept errors (descriptors exhausted) back off up to a second.
+//
+// Without the secret, a connection in its handshake is all a peer can hold, so
+// the handshake caps never turn a newcomer away: the newcomer is admitted, and
+// the oldest handshake of its own source (when that source is at its share) or
+// of the source holding most (when all are taken) is closed. An honest peer
+// answers the challenge within a round trip, long before its handshake is the
+// oldest of its source's share or of the busiest source's; any number of silent
+// or trickling connections only evict each other. When accept finds no
+// descriptor, the oldest handshake of the busiest source is closed to free one. So an honest peer is
+// admitted at its first accept, however many connections an attacker keeps
+// open or reopens from other addresses (tests/replication/test_hostile_peers.py).
 //
 // One server per rank serves every store the rank keeps: store 0 is the one
 // given to start() (the rank's own state; pushes of other ranks' state land in
@@ -45,6 +56,7 @@ struct TcpServerStats {
   size_t accepted = 0;  // connections that passed the handshake
   size_t rejected = 0;  // connections closed for a failed handshake or a protocol violation
   size_t refused = 0;   // connections closed at once: over a limit, or no thread to serve them
+  size_t evicted = 0;   // handshakes closed to make room for a newer connection
   size_t active = 0;
 };
 
@@ -73,6 +85,10 @@ class TcpServer {
   void accept_loop();
   // Whether one more connection may be served now, and why not.
   bool admit(std::string* why);
+  // The handshake to close for a newcomer from `*source` (see the top), or null; with
+  // no newcomer (null), the oldest of the busiest source's, if any. mutex_ held.
+  Connection* handshake_to_evict(const std::string* source) const;
+  void evict(Connection* victim, const std::string& why);
   void serve_connection(Connection* connection);
   Status handle(Connection& c, const FrameHeader& h);
   Status serve_get(Connection& c, const FrameHeader& h);
@@ -90,7 +106,7 @@ class TcpServer {
   std::mutex decode_mutex_;
   std::map<uint32_t, SnapshotStore*> own_;  // guarded by mutex_
   std::list<std::unique_ptr<Connection>> connections_;
-  std::atomic<size_t> accepted_{0}, rejected_{0}, refused_{0};
+  std::atomic<size_t> accepted_{0}, rejected_{0}, refused_{0}, evicted_{0};
 };
 
 }  // namespace peerstate

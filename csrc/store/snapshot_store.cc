@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -31,6 +32,9 @@ struct SnapshotStore::Slot {
   HostRegion region;
   bool pinned = false;
   size_t readers = 0;  // views whose pin is held (guarded by the store's mutex)
+  bool draining = false;  // its pins were revoked: it grants none until it is reused
+  std::map<uint64_t, std::function<void()>> revokers;  // of the held pins that have one, by pin
+  uint64_t next_pin = 0;
   int64_t indexed_version = -1;  // the version indexed_meta encodes
   std::string indexed_meta;
 };
@@ -233,8 +237,16 @@ Status SnapshotStore::reserve_slot(int64_t version, std::shared_ptr<const Layout
       if (target == slots_.size() || s.version < slots_[target]->version) target = i;
     }
     if (target != slots_.size()) break;
+    // Every reusable slot is pinned: the owner does not wait on a peer's reading, so
+    // the oldest one's revocable readers are cut (those in this process are waited for).
+    Slot* oldest = nullptr;
+    for (auto& s : slots_)
+      if (s->state == Slot::State::kCommitted && s->version != newest && (!oldest || s->version < oldest->version))
+        oldest = s.get();
+    if (oldest != nullptr && !oldest->draining) revoke_pins_locked(*oldest);
     unpinned_.wait(lock);
   }
+  for (auto& s : slots_) s->draining = false;
   Slot& chosen = *slots_[target];
   const bool was_committed = chosen.state == Slot::State::kCommitted;
   chosen.state = Slot::State::kInFlight;
@@ -608,6 +620,7 @@ Status SnapshotStore::close() {
   Status result;
   std::unique_lock<std::mutex> lock(mutex_);
   if (index_) index_->set(index_tag_, {});  // out of the index before the memory goes
+  for (auto& s : slots_) revoke_pins_locked(*s);
   unpinned_.wait(lock, [&] {
     return std::all_of(slots_.begin(), slots_.end(), [](const std::unique_ptr<Slot>& s) { return s->readers == 0; });
   });
@@ -651,13 +664,22 @@ MemoryReport SnapshotStore::memory() const {
   return r;
 }
 
-Status SnapshotStore::view(int64_t version, VersionView* out) const {
+void SnapshotStore::revoke_pins_locked(Slot& slot) {
+  slot.draining = true;
+  for (auto& entry : slot.revokers) entry.second();
+  slot.revokers.clear();
+}
+
+Status SnapshotStore::view(int64_t version, VersionView* out, std::function<void()> revoke) const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (version < 0)
     for (const auto& s : slots_)
       if (s->state == Slot::State::kCommitted) version = std::max(version, s->version);
   for (const auto& s : slots_) {
     if (s->state != Slot::State::kCommitted || s->version != version) continue;
+    if (s->draining)
+      return Status(StatusCode::kUnavailable, "version " + std::to_string(version) +
+                                                  " is being replaced by a newer snapshot; ask for the newest");
     out->version = version;
     out->layout = s->layout;
     out->checksums = s->checksums;
@@ -666,9 +688,12 @@ Status SnapshotStore::view(int64_t version, VersionView* out) const {
     out->nbytes = s->layout->region_bytes;
     s->readers++;
     Slot* slot = s.get();
-    out->pin = std::shared_ptr<const void>(slot, [this, slot](const void*) {
+    const uint64_t id = slot->next_pin++;
+    if (revoke) slot->revokers.emplace(id, std::move(revoke));
+    out->pin = std::shared_ptr<const void>(slot, [this, slot, id](const void*) {
       std::lock_guard<std::mutex> relock(mutex_);
       slot->readers--;
+      slot->revokers.erase(id);
       unpinned_.notify_all();
     });
     return Status::Ok();

@@ -32,6 +32,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -64,7 +65,8 @@ struct VersionView {
   unsigned char* mutable_data = nullptr;  // for transports and fault-injection tests
   size_t nbytes = 0;
   // Holds the slot: no snapshot reuses it, and close() waits, while a copy of
-  // this pin lives (a server sending its bytes). Release it promptly.
+  // this pin lives (a server sending its bytes), unless the pin was taken with
+  // a revoke callback (see SnapshotStore::view). Release it promptly.
   std::shared_ptr<const void> pin;
 };
 
@@ -149,7 +151,16 @@ class SnapshotStore {
   // A committed version's bytes and layout (`version` -1: the newest; kNotFound
   // otherwise). The view stays valid while its pin is held; without the pin,
   // until the slot is reused by a later snapshot or the store closes.
-  Status view(int64_t version, VersionView* out) const;
+  //
+  // A pin taken with `revoke` does not hold up the owner: when a snapshot needs
+  // its slot (no other is free) or close() runs, the store calls `revoke` once,
+  // under the store's lock (it must not block nor call into the store), and waits
+  // for the pin's release; the holder must then stop reading and drop the pin
+  // promptly (a server shuts the reader's socket down: its send fails and the
+  // reader gets an error, never bytes of two versions). From then on the slot
+  // grants no new pin (kUnavailable) until it is reused. A pin without `revoke`
+  // (a reader in this process) is waited for.
+  Status view(int64_t version, VersionView* out, std::function<void()> revoke = nullptr) const;
 
   // Where `version` (committed or in flight) lies in this process's memory, for
   // a puller on this machine that reads it directly (process_memory.h); 0 when
@@ -194,6 +205,8 @@ class SnapshotStore {
   // After any slot left or entered kCommitted; mutex_ held.
   void update_index_locked();
   void cancel_in_flight();
+  // Stops `slot` granting pins and revokes those held (see view()); mutex_ held.
+  void revoke_pins_locked(Slot& slot);
 
   SnapshotStoreOptions options_;
   std::shared_ptr<ThreadPool> pool_;

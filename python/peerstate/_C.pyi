@@ -192,21 +192,25 @@ class TcpServer:
         port: int = 0,
         io_timeout_ms: int = 30000,
         protection: str = "authenticated",
-        max_handshaking: int = 16,
+        max_handshaking: int = 32,
+        max_handshaking_per_source: int = 8,
         max_per_peer: int = 16,
         max_connections: int = 256,
     ) -> None:
         """protection: "authenticated" (an AES-256-GCM tag on every frame), "encrypted" or
         "trusted-fabric" (none), the same as every client's. The limits: connections in
-        their handshake, per authenticated rank, in all; the excess is closed at once."""
+        their handshake (in all, from one source address), per authenticated rank, in all.
+        A newcomer over a handshake limit closes the oldest handshake of its source or of
+        the busiest source; over the others it is closed at once (csrc/net/tcp_server.h)."""
     def serve(self, index: int, store: SnapshotStore) -> None:
         """Serve pulls of this rank's state kept in `store` as store `index` (>= 1, unused)."""
     @property
     def port(self) -> int: ...
     def stop(self) -> None: ...
     def stats(self) -> Dict[str, int]:
-        """{accepted, rejected, refused, active} connections: refused ones were over a
-        limit or found no thread to serve them."""
+        """{accepted, rejected, refused, evicted, active} connections: refused ones were
+        over a limit or found no thread to serve them; evicted ones were closed in their
+        handshake to make room for a newer one."""
 
 class Transport:
     """One transport interface (csrc/net/transport.h): blocking, GIL released."""
