@@ -47,6 +47,7 @@ void bind_replication(py::module_& m) {
       })
       .def("committed", &ReplicaStore::committed)
       .def("drop_newer", &ReplicaStore::drop_newer, py::arg("version"))
+      .def("bound_versions", &ReplicaStore::bound_versions, py::arg("newest"))
       .def("held_bytes", &ReplicaStore::held_bytes)
       .def("reserved_bytes", &ReplicaStore::reserved_bytes)
       .def_property_readonly("budget_bytes", &ReplicaStore::budget_bytes)

@@ -86,6 +86,16 @@ Status ReplicaStore::begin(const VersionMeta& meta) {
                         std::to_string(source.reserved_per_version) + " were reserved");
     if (meta.version < 0)
       return Status(StatusCode::kInvalidArgument, "version " + std::to_string(meta.version) + " is negative");
+    if (newest_allowed_ >= 0 && meta.version > newest_allowed_)
+      return Status(StatusCode::kInvalidArgument,
+                    "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
+                        " is ahead of what this job has reached (at most " + std::to_string(newest_allowed_) +
+                        " here: the holder's step plus a window)");
+    if (meta.layout->chunks.empty() && source.reserved_per_version > 0)
+      return Status(StatusCode::kInvalidArgument,
+                    "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
+                        " has an empty layout, but the rank reserved " +
+                        std::to_string(source.reserved_per_version) + " bytes per version");
     if (source.committed && meta.version <= source.committed->meta.version)
       return Status(StatusCode::kInvalidArgument,
                     "version " + std::to_string(meta.version) + " of rank " + std::to_string(meta.source_rank) +
@@ -271,6 +281,11 @@ void ReplicaStore::drop_newer(int64_t version) {
   }
   update_index_locked();
   arrived_.notify_all();  // a commit waiting on a dropped incoming version gives up
+}
+
+void ReplicaStore::bound_versions(int64_t newest) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  newest_allowed_ = newest;
 }
 
 size_t ReplicaStore::held_bytes() const {

@@ -15,7 +15,10 @@
 // region still alive.
 //
 // Versions cannot be forged by a member: a new version must be newer than the
-// committed one and at most kMaxVersionStep ahead of it; every chunk is written
+// committed one and at most kMaxVersionStep ahead of it, and, once the holder
+// said how far its job has got (bound_versions), no newer than that, whether
+// or not anything is committed here; a source that reserved bytes cannot
+// commit an empty layout (a version number without state). Every chunk is written
 // under a writer count that commit() waits for, and a chunk may only be written
 // once, into the version still incoming. Versions are held in host memory, or in
 // the memory of one CUDA device (create() with a device index, GPU nodes): the
@@ -141,6 +144,11 @@ class ReplicaStore {
   // same numbers, must be accepted. The version before a dropped newest one
   // becomes the newest again if it is still readable. Readers keep what they hold.
   void drop_newer(int64_t version);
+  // The newest version any source may begin from now on: the job's own record
+  // (the holder's step plus a window), not the sender's. Replaces the previous
+  // bound, so it moves back with a rollback. Until the first call, only the
+  // rules relative to the committed version apply.
+  void bound_versions(int64_t newest);
   size_t held_bytes() const;
   size_t reserved_bytes() const;
   // From now on, keeps `index` listing the committed host versions held here as
@@ -176,6 +184,7 @@ class ReplicaStore {
   mutable std::mutex mutex_;
   std::condition_variable arrived_;
   std::map<int, Source> sources_;
+  int64_t newest_allowed_ = -1;  // bound_versions(); -1: none yet
   std::shared_ptr<ProcessIndex> index_;  // guarded by mutex_
   uint32_t index_tag_ = 0;
 };

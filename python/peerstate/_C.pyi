@@ -143,6 +143,9 @@ class ReplicaStore:
     def drop_newer(self, version: int) -> None:
         """Forget every source's versions newer than `version` (the abandoned run after a
         roll-back to it); the one before a dropped newest becomes the newest if still readable."""
+    def bound_versions(self, newest: int) -> None:
+        """Refuse, from now on, any version newer than `newest` from any source, committed
+        here or not (the holder's step plus a window: the job's record, not the sender's)."""
     def held_bytes(self) -> int: ...
     def reserved_bytes(self) -> int: ...
     @property

@@ -443,6 +443,37 @@ def test_a_member_cannot_poison_its_replica_by_version_number(rig, version, why)
     assert replicator.wait(2) == [(1, None)]
 
 
+def put_begin(rig, meta, version):
+    """The server's answer to a PUT_BEGIN of ``meta`` as ``version``: (ERROR or ACK, message)."""
+    with rig.connect() as sock:
+        session = authenticate(sock)
+        session.send(frame(PUT_BEGIN, version=version, length=len(meta)), meta)
+        reply, message = session.recv()
+        return reply[1], message
+
+
+def test_a_member_cannot_ratchet_a_replica_with_empty_versions(rig):
+    # A version number with no state (an empty layout) commits with no chunk sent: 200 of
+    # them once moved a replica 13 million versions ahead in 0.03 s, and the real rank's
+    # next push was refused as not newer. Rank 0 reserved bytes: it has state to send.
+    empty = struct.pack("<iqQI", 0, 2, 64 * 1024, 0) + struct.pack("<I", 0)
+    kind, message = put_begin(rig, empty, 2)
+    assert kind == ERROR and b"empty layout" in message, message
+    rig.assert_intact()
+
+
+def test_versions_are_bounded_by_the_job_not_the_sender_even_with_nothing_committed(rig):
+    # The holder has reached step 0 again (a roll-back cleared its replicas): it commits
+    # nothing, and takes no version past its step plus the window, INT64_MAX included.
+    rig.replicas.drop_newer(0)
+    rig.replicas.bound_versions(64)
+    assert rig.replicas.committed() == []
+    for version in (2**63 - 1, 2**40, 65):
+        kind, message = put_begin(rig, rig.valid_meta_bytes(version=version), version)
+        assert kind == ERROR and b"ahead of what this job has reached" in message, (version, message)
+    assert put_begin(rig, rig.valid_meta_bytes(version=64), 64)[0] == ACK
+
+
 def test_a_chunk_sent_again_after_it_landed_cannot_touch_the_committed_replica(rig):
     raw = bytes(rig.source_store.stored_bytes(1))
     meta = rig.valid_meta_bytes(version=2)

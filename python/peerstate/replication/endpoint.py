@@ -28,6 +28,10 @@ from peerstate.state.snapshot import SnapshotStore
 
 Address = Tuple[str, int]
 
+# How many snapshots past this rank's step a replica held here may be pushed
+# (``Replication.reached``): the ranks of one job are a step or two apart.
+VERSION_WINDOW_SNAPSHOTS = 64
+
 
 class PullStats(NamedTuple):
     """What one pull moved: the version, its chunks, and how many of them were read
@@ -59,6 +63,8 @@ class Replication:
             rank: "authenticated" (default: an AES-256-GCM tag on every frame),
             "encrypted" (and payloads encrypted), or "trusted-fabric" (no per-frame
             protection: only for a network whose every host is trusted).
+        snapshot_every: the job's steps per snapshot; versions pushed here are bounded
+            by ``VERSION_WINDOW_SNAPSHOTS`` snapshots past this rank's step (``reached``).
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class Replication:
         replica_device: Optional[int] = None,
         io_timeout: float = 30.0,
         protection: str = "authenticated",
+        snapshot_every: int = 1,
     ) -> None:
         if not store.native.checksums:
             raise InvalidArgumentError("replication verifies every chunk: create the SnapshotStore with checksums=True")
@@ -82,6 +89,7 @@ class Replication:
         self.rank = rank
         self.placement = placement
         self.host = host
+        self.version_window = VERSION_WINDOW_SNAPSHOTS * snapshot_every
         io_ms = int(io_timeout * 1000)
         self.replicas = _C.ReplicaStore(budget_bytes=replica_budget_bytes or 0,
                                         device=-1 if replica_device is None else replica_device)
@@ -308,8 +316,19 @@ class Replication:
 
     def drop_newer(self, version: int) -> None:
         """After the job rolled back to ``version``: forget the replicas newer than it (of
-        the abandoned run), so that the re-run's versions, with the same numbers, land."""
+        the abandoned run), so that the re-run's versions, with the same numbers, land;
+        the job is at ``version`` again (``reached``)."""
         self.replicas.drop_newer(version)
+        if version >= 0:
+            self.reached(version)
+
+    def reached(self, step: int) -> None:
+        """This rank's job is at ``step``: the replicas it holds may not be pushed further
+        than ``version_window`` steps past it. The window is the job's own record of how
+        far any member can be ahead of this one (every step has collectives, so members
+        are a step or two apart; snapshot_every widens it), so a member holding the job
+        secret cannot ratchet a replica's version beyond what a real step will reach."""
+        self.replicas.bound_versions(step + self.version_window)
 
     def holdings(self) -> Dict[int, int]:
         """source rank -> the newest version committed here."""

@@ -455,7 +455,7 @@ class Job:
                           GROUP_RANK=str(self._env.node))
         self.replication = Replication(self.tracked.own, rank, self.placement, secret=self._env.secret,
                                        host=self._env.host, replica_budget_bytes=self._replica_budget_bytes,
-                                       protection=self._env.protection)
+                                       protection=self._env.protection, snapshot_every=self.boundary.snapshot_every)
         self.joiner.replication = self.restorer.replication = self.boundary.replication = self.replication
         if self.progress:  # if this process hangs, its replacement reads its stores from its memory
             self.progress.set_index_address(self.replication.index_stores())

@@ -104,6 +104,7 @@ class StepBoundary:
             report.mark("first step")  # the step itself is done; what follows is bookkeeping
         if self._progress:
             self._progress.set_step(step)
+        self.replication.reached(step)
         if not self.tracked.registered:
             self.register()
         elif self._reserve_interrupted:
