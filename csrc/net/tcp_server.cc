@@ -341,7 +341,9 @@ Status TcpServer::handle(Connection& c, const FrameHeader& h) {
       // Any mismatch here closes the connection: the payload that follows
       // cannot be skipped safely when its announced length is a lie.
       ReplicaStore::ChunkWrite write;
-      PEERSTATE_RETURN_IF_ERROR(replicas_->expect_chunk(h.source_rank, h.version, h.chunk, h.length, &write));
+      // A write that stalls is cut when the source's next version needs its region (see ReplicaStore::begin).
+      PEERSTATE_RETURN_IF_ERROR(replicas_->expect_chunk(h.source_rank, h.version, h.chunk, h.length, &write,
+                                                        [&c] { c.channel.socket.shutdown(); }));
       const Layout& layout = *write.version->meta.layout;
       const ChunkPlacement& chunk = layout.chunks[h.chunk];
       unsigned char* place = write.version->region.data() + chunk.offset;
@@ -410,7 +412,7 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
                                            std::to_string(h.store) + ")");
   } else {
     std::shared_ptr<const ReplicaVersion> replica;
-    st = replicas_->get(h.source_rank, version, &replica);
+    st = replicas_->get(h.source_rank, version, &replica, [&c] { c.channel.socket.shutdown(); });
     if (st.ok()) {
       served.meta = replica->meta;
       served.data = replica->region.data();

@@ -1,6 +1,7 @@
 #include "store/replica_store.h"
 
 #include <algorithm>
+#include <chrono>
 
 namespace peerstate {
 
@@ -69,10 +70,22 @@ Status ReplicaStore::reserve(int source_rank, size_t bytes_per_version) {
   return Status::Ok();
 }
 
+bool ReplicaStore::revoke_holders_locked(Source& source) {
+  bool any = false;
+  for (const auto& weak : source.regions) {
+    std::shared_ptr<ReplicaVersion> region = weak.lock();
+    if (!region || region == source.committed) continue;
+    for (auto& entry : region->revokers) entry.second();
+    any = any || !region->revokers.empty();
+    region->revokers.clear();
+  }
+  return any;
+}
+
 Status ReplicaStore::begin(const VersionMeta& meta) {
   std::shared_ptr<ReplicaVersion> incoming;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
     auto it = sources_.find(meta.source_rank);
     if (it == sources_.end())
       return Status(StatusCode::kNotFound,
@@ -116,15 +129,29 @@ Status ReplicaStore::begin(const VersionMeta& meta) {
       update_index_locked();
     }
     if (!incoming) {
-      source.regions.erase(std::remove_if(source.regions.begin(), source.regions.end(),
-                                          [](const std::weak_ptr<ReplicaVersion>& r) { return r.expired(); }),
-                           source.regions.end());
-      if (source.regions.size() >= 2)
+      auto region_free = [&] {
+        if (source.spare && source.spare.use_count() == 1) return true;
+        source.regions.erase(std::remove_if(source.regions.begin(), source.regions.end(),
+                                            [](const std::weak_ptr<ReplicaVersion>& r) { return r.expired(); }),
+                             source.regions.end());
+        return source.regions.size() < 2;
+      };
+      if (!region_free() && revoke_holders_locked(source))
+        released_.wait_for(lock, std::chrono::milliseconds(kRevokeWaitMs), region_free);
+      if (source.spare && source.spare.use_count() == 1) {
+        incoming = std::move(source.spare);
+        if (incoming->complete) {
+          incoming->complete = false;
+          update_index_locked();
+        }
+      } else if (region_free()) {
+        incoming = new_version();
+        source.regions.push_back(incoming);
+      } else {
         return Status(StatusCode::kBusy, "both regions of rank " + std::to_string(meta.source_rank) +
                                              " are in use (a reader of an older version, or a push that stalled); "
                                              "version " + std::to_string(meta.version) + " is refused, not allocated");
-      incoming = new_version();
-      source.regions.push_back(incoming);
+      }
     }
   }
   // Allocation (and faulting in) of a large region takes a while: not under the lock.
@@ -144,7 +171,7 @@ Status ReplicaStore::begin(const VersionMeta& meta) {
 }
 
 Status ReplicaStore::expect_chunk(int source_rank, int64_t version, uint32_t chunk, uint64_t length,
-                                  ChunkWrite* write) {
+                                  ChunkWrite* write, std::function<void()> revoke) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = sources_.find(source_rank);
   if (it == sources_.end() || !it->second.incoming || it->second.incoming->meta.version != version)
@@ -166,12 +193,22 @@ Status ReplicaStore::expect_chunk(int source_rank, int64_t version, uint32_t chu
   incoming->writers++;
   write->version = incoming;
   write->chunk = chunk;
-  write->store = this;
+  write->store = write->owner = this;
+  if (revoke) {
+    write->hold = incoming->next_hold++;
+    incoming->revokers.emplace(write->hold, std::move(revoke));
+  }
   return Status::Ok();
 }
 
 ReplicaStore::ChunkWrite::~ChunkWrite() {
   if (store != nullptr) store->end_write(this, false, 0, nullptr);
+  if (owner == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(owner->mutex_);  // begin() waits on the region's use count
+    version.reset();
+  }
+  owner->released_.notify_all();
 }
 
 Status ReplicaStore::chunk_arrived(ChunkWrite* write, uint32_t crc) {
@@ -184,6 +221,7 @@ void ReplicaStore::end_write(ChunkWrite* write, bool landed, uint32_t crc, Statu
   ReplicaVersion& v = *write->version;
   std::lock_guard<std::mutex> lock(mutex_);
   write->store = nullptr;
+  if (write->hold != kNoHold) v.revokers.erase(write->hold);
   v.writers--;
   if (!landed) {
     v.arrived[write->chunk] = 0;  // the chunk may come again, on another connection
@@ -236,18 +274,34 @@ Status ReplicaStore::commit(int source_rank, int64_t version, Deadline deadline)
   return Status::Ok();
 }
 
-Status ReplicaStore::get(int source_rank, int64_t version, std::shared_ptr<const ReplicaVersion>* out) const {
+Status ReplicaStore::get(int source_rank, int64_t version, std::shared_ptr<const ReplicaVersion>* out,
+                         std::function<void()> revoke) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = sources_.find(source_rank);
   if (it == sources_.end() || !it->second.committed)
     return Status(StatusCode::kNotFound, "no committed version of rank " + std::to_string(source_rank) + " here");
   const Source& source = it->second;
-  if (version < 0 || source.committed->meta.version == version) {
-    *out = source.committed;
+  std::shared_ptr<ReplicaVersion> held;
+  if (version < 0 || source.committed->meta.version == version)
+    held = source.committed;
+  else if (source.spare && source.spare->complete && source.spare->meta.version == version)
+    held = source.spare;
+  if (held && !revoke) {
+    *out = std::move(held);
     return Status::Ok();
   }
-  if (source.spare && source.spare->complete && source.spare->meta.version == version) {
-    *out = source.spare;
+  if (held) {  // the reader holds the version through a token that withdraws its revoke when let go
+    const uint64_t hold = held->next_hold++;
+    held->revokers.emplace(hold, std::move(revoke));
+    ReplicaVersion* raw = held.get();
+    *out = std::shared_ptr<const ReplicaVersion>(raw, [this, held = std::move(held), hold](const ReplicaVersion*) mutable {
+      {
+        std::lock_guard<std::mutex> relock(mutex_);
+        held->revokers.erase(hold);
+        held.reset();
+      }
+      released_.notify_all();
+    });
     return Status::Ok();
   }
   return Status(StatusCode::kNotFound, "version " + std::to_string(version) + " of rank " +

@@ -9,10 +9,10 @@
 //
 // Memory is bounded: reserve() accounts two versions of each source against
 // the budget when replication is set up and allocates their two regions; a
-// version larger than its reservation is refused on arrival, and so is one for
-// which neither region is free (a slow reader or a stalled writer holds them):
-// nothing is ever allocated beyond the two, and held_bytes() counts every
-// region still alive.
+// version larger than its reservation is refused on arrival; a slow reader or a
+// stalled writer holding the region a new version needs is cut (begin()), and
+// one that cannot be cut gets the new version refused: nothing is ever
+// allocated beyond the two, and held_bytes() counts every region still alive.
 //
 // Versions cannot be forged by a member: a new version must be newer than the
 // committed one and at most kMaxVersionStep ahead of it, and, once the holder
@@ -31,6 +31,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -78,6 +79,10 @@ struct ReplicaVersion {
   std::string failure;           // first chunk that failed verification
   bool complete = false;         // committed once, and not reused for a newer version since
   std::string encoded_meta;      // the meta's encoding for a ProcessIndex, made at commit
+  // Of the connections writing or reading it that can be cut (see begin()), by hold;
+  // guarded by the store's mutex.
+  std::map<uint64_t, std::function<void()>> revokers;
+  uint64_t next_hold = 0;
 };
 
 class ReplicaStore {
@@ -96,8 +101,11 @@ class ReplicaStore {
     ~ChunkWrite();
     std::shared_ptr<ReplicaVersion> version;
     uint32_t chunk = 0;
-    ReplicaStore* store = nullptr;
+    ReplicaStore* store = nullptr;  // while the write is open
+    ReplicaStore* owner = nullptr;  // told when `version` is let go
+    uint64_t hold = kNoHold;
   };
+  static constexpr uint64_t kNoHold = ~uint64_t{0};
 
   // device kHostDevice: replicas in host memory (budget_bytes 0: half of
   // physical memory). Else a CUDA device index, with an explicit budget
@@ -115,13 +123,21 @@ class ReplicaStore {
   // incoming version of that source. kBudgetExceeded beyond the reservation,
   // kNotFound for a source with no reservation, kInvalidArgument for a version
   // not newer than the committed one or too far ahead of it, kBusy when both
-  // regions are still held by a reader or a stalled writer.
+  // regions are still held by a reader or a stalled writer that cannot be cut.
+  // A holder that can (a connection that took its hold with a revoke callback)
+  // is: its callback runs, under the store's lock (it must not block nor call
+  // into the store), and begin() waits for its release, up to kRevokeWaitMs:
+  // a stuck reader of an old version, or a writer of a dropped one, never keeps
+  // the source's next version out. Blocks only then.
   Status begin(const VersionMeta& meta);
+  static constexpr long kRevokeWaitMs = 2000;
   // Checks that chunk `chunk` belongs to the incoming version, has exactly
   // `length` bytes and was not written yet (kProtocolError otherwise), and
   // hands out the write: the version, held alive and counted as written to
-  // while the chunk lands in its place in the region.
-  Status expect_chunk(int source_rank, int64_t version, uint32_t chunk, uint64_t length, ChunkWrite* write);
+  // while the chunk lands in its place in the region. `revoke` (optional): how
+  // begin() cuts the write if the region is needed (see begin()).
+  Status expect_chunk(int source_rank, int64_t version, uint32_t chunk, uint64_t length, ChunkWrite* write,
+                      std::function<void()> revoke = nullptr);
   // Ends a write whose chunk landed with CRC32C `crc` (kChecksumMismatch,
   // failing the version, when it differs from the metadata's).
   Status chunk_arrived(ChunkWrite* write, uint32_t crc);
@@ -133,7 +149,9 @@ class ReplicaStore {
 
   // A committed version of `source_rank`: the newest, or the one before it while
   // its region has not been reused for an incoming version (`version` -1: the newest).
-  Status get(int source_rank, int64_t version, std::shared_ptr<const ReplicaVersion>* out) const;
+  // `revoke` (optional): how begin() cuts this read if the region is needed (see begin()).
+  Status get(int source_rank, int64_t version, std::shared_ptr<const ReplicaVersion>* out,
+             std::function<void()> revoke = nullptr) const;
   // (source rank, version) for every committed version held, newest first per source:
   // after a failure, holders of different sources may be one round apart, and the
   // recovery point must be a version every source still has.
@@ -177,12 +195,16 @@ class ReplicaStore {
     std::shared_ptr<ReplicaVersion> spare;  // the region for the next version; until then it may still
                                             // hold the previous committed version (complete)
   };
+  // Cuts every revocable holder of `source`'s regions other than the committed
+  // version's; whether there was any. mutex_ held.
+  bool revoke_holders_locked(Source& source);
 
   const size_t budget_;
   const int device_;
   const std::shared_ptr<DeviceCopyEngine> engine_;
   mutable std::mutex mutex_;
   std::condition_variable arrived_;
+  mutable std::condition_variable released_;  // a revocable hold was let go
   std::map<int, Source> sources_;
   int64_t newest_allowed_ = -1;  // bound_versions(); -1: none yet
   std::shared_ptr<ProcessIndex> index_;  // guarded by mutex_

@@ -117,6 +117,16 @@ def closed_by_server(sock, timeout=5.0):
         return False
 
 
+def meta_bytes(info, version, rank, chunk_bytes):
+    """A PUT_BEGIN's metadata for a version laid out as ``info`` (a store's ``version_info``)."""
+    out = struct.pack("<iqQI", rank, version, chunk_bytes, len(info["buffers"]))
+    for name, nbytes, device, _, dtype in info["buffers"]:
+        out += struct.pack("<H", len(name)) + name.encode() + struct.pack("<Qi", nbytes, device)
+        out += struct.pack("<H", len(dtype)) + dtype.encode()
+    out += struct.pack("<I", len(info["checksums"])) + b"".join(struct.pack("<I", c) for c in info["checksums"])
+    return out
+
+
 class Rig:
     """A holder (rank 1) with its own snapshot and a committed replica of rank 0,
     plus everything a legitimate rank 0 needs to talk to it."""
@@ -152,12 +162,7 @@ class Rig:
         return socket.create_connection(self.address, timeout=5)
 
     def valid_meta_bytes(self, version=100, rank=0):
-        out = struct.pack("<iqQI", rank, version, 64 * 1024, len(self.meta["buffers"]))
-        for name, nbytes, device, _, dtype in self.meta["buffers"]:
-            out += struct.pack("<H", len(name)) + name.encode() + struct.pack("<Qi", nbytes, device)
-            out += struct.pack("<H", len(dtype)) + dtype.encode()
-        out += struct.pack("<I", len(self.meta["checksums"])) + b"".join(struct.pack("<I", c) for c in self.meta["checksums"])
-        return out
+        return meta_bytes(self.meta, version, rank, 64 * 1024)
 
     def assert_intact(self):
         assert self.replicas.committed() == [(0, 1)]
