@@ -276,6 +276,7 @@ Status ReplicaStore::commit(int source_rank, int64_t version, Deadline deadline)
 
 Status ReplicaStore::get(int source_rank, int64_t version, std::shared_ptr<const ReplicaVersion>* out,
                          std::function<void()> revoke) const {
+  out->reset();  // a reader's token held there is released under the lock: not while it is held here
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = sources_.find(source_rank);
   if (it == sources_.end() || !it->second.committed)

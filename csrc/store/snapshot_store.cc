@@ -671,6 +671,7 @@ void SnapshotStore::revoke_pins_locked(Slot& slot) {
 }
 
 Status SnapshotStore::view(int64_t version, VersionView* out, std::function<void()> revoke) const {
+  out->pin.reset();  // a pin held there is released under the lock: not while it is held here
   std::lock_guard<std::mutex> lock(mutex_);
   if (version < 0)
     for (const auto& s : slots_)
