@@ -23,8 +23,10 @@ struct TcpOptions {
   // handshake of its own source, or of the source holding most, is closed
   // (tcp_server.h says why); over the other caps the newcomer is closed at
   // once. Each kind is logged once per second.
-  size_t max_handshaking = 32;
-  size_t max_handshaking_per_source = 8;
+  size_t max_handshaking = 64;
+  // An honest node has one handshake in flight per rank's transport (it opens its
+  // connections to a peer one at a time): 8 on an 8-GPU node, half this share.
+  size_t max_handshaking_per_source = 16;
   size_t max_per_peer = 16;
   size_t max_connections = 256;
 };

@@ -195,8 +195,8 @@ class TcpServer:
         port: int = 0,
         io_timeout_ms: int = 30000,
         protection: str = "authenticated",
-        max_handshaking: int = 32,
-        max_handshaking_per_source: int = 8,
+        max_handshaking: int = 64,
+        max_handshaking_per_source: int = 16,
         max_per_peer: int = 16,
         max_connections: int = 256,
     ) -> None:
