@@ -18,6 +18,6 @@ export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=lib
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1"
 export PYTHONPATH="$PWD/$build/pkg"
 if [ $# -eq 0 ]; then
-  set -- tests/replication/test_tcp_transport.py tests/replication/test_hostile_peers.py tests/native/test_crc32c.py tests/native/test_snapshot_store.py tests/replication/test_replication.py
+  set -- tests/replication/test_tcp_transport.py tests/replication/test_hostile_peers.py tests/replication/test_hostile_connections.py tests/native/test_crc32c.py tests/native/test_snapshot_store.py tests/replication/test_replication.py
 fi
 python3 -m pytest -q -p no:cacheprovider "$@"

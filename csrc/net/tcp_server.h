@@ -27,7 +27,7 @@
 // or trickling connections only evict each other. When accept finds no
 // descriptor, the oldest handshake of the busiest source is closed to free one. So an honest peer is
 // admitted at its first accept, however many connections an attacker keeps
-// open or reopens from other addresses (tests/replication/test_hostile_peers.py).
+// open or reopens from other addresses (tests/replication/test_hostile_connections.py).
 //
 // One server per rank serves every store the rank keeps: store 0 is the one
 // given to start() (the rank's own state; pushes of other ranks' state land in
