@@ -3,8 +3,9 @@
 For each size N (nodes of 8 ranks, one spare each, the default data-parallel
 layout: 8 shares, a buddy on the next node), in the same run:
 
-- ours: N/8 simulated agents (``peerstate.tools.simulation``) run the real
-  NodeRelay / InstructionWriter / Coordinator code over one real TCPStore,
+- ours: N/8 simulated agents (``peerstate.tools.simulation``) run the agent's
+  own control code (``NodeControl``: its relay, instruction writer,
+  coordinator, watch tick and lease checks) over one real TCPStore,
   each with its own connections, multiplexed on threads in ``--processes``
   processes, by default one per 128 nodes, 2 to 16 (on these 2 cores one
   interpreter lock shared by a thousand simulated agents made 16,384 ranks
@@ -29,7 +30,9 @@ layout: 8 shares, a buddy on the next node), in the same run:
   dead and done keys each tick, plus a worker's watcher wait each second).
 
 Modelled, not measured: the node channel (in-process, instantaneous), the
-workers' abort and restore, and torch's process-group rendezvous.
+workers' abort and restore, and torch's process-group rendezvous. The
+workers' own requests to the job's store in a recovery (a handful per rank,
+after their instructions: docs/recovery.md) are not made here yet.
 
 With ``--etcd``, ours also runs over a 1-member etcd on loopback (the same
 simulated agents, the store an ``EtcdKeyValueStore`` each): the ``etcd_s``
@@ -142,7 +145,7 @@ def _setup_state(kv, nnodes: int, nodes) -> str:
 
     missing = [n for n, raw in zip(range(nnodes), kv.get_many([keys.node_report(0, n) for n in range(nnodes)]))
                if raw is None]
-    stuck = [(n.node, n.relay._mirrored, n._thread.is_alive()) for n in nodes if n.node in missing]
+    stuck = [(n.node, n.relay._mirrored, n.control.relaying) for n in nodes if n.node in missing]
     return (f"this process's relays said {[f for n in nodes for f in n.failures][:3]}; nodes {missing[:10]} of the "
             f"job have not reported for epoch 0; this process's among them (node, newest plan relayed, relay alive): "
             f"{stuck[:10]}")

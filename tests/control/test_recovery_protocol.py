@@ -119,14 +119,9 @@ def test_a_plan_writer_killed_after_gathering_is_replaced_by_a_newer_epoch(store
         declared = []
         while time.monotonic() < deadline and not declared:
             now = time.monotonic()
-            for node in nodes.values():
-                for lost, _ in node.leases.check(now):
-                    declared.append((node.node, lost))
-                    workers = node.coordinator.workers_on(lost)
-                    threading.Thread(target=Coordinator(TorchKeyValueStore("127.0.0.1", kv.port)).report_failure,
-                                     args=(workers, "node lost"), kwargs=dict(detected_at=time.time(),
-                                                                              me=f"agent{node.node}")).start()
-                kv.add(keys.node_lease(node.node), 1)
+            for node in nodes.values():  # the agent's watch tick: its lease, then its ring window
+                node.control.tick()
+                declared += [(node.node, lost) for lost in node.control.check_leases(now)]
             time.sleep(0.1)
         assert [lost for _, lost in declared] == [writer_node]
         for node in nodes.values():

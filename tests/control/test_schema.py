@@ -20,7 +20,7 @@ FAMILIES = sorted({value.split("/")[0] for value in re.findall(r'(?:f?")([a-z_]+
 
 
 def test_the_key_families_are_found():
-    assert {"config", "node", "spare", "assign", "epoch", "job", "bytes", "inject", "pg"} <= set(FAMILIES)
+    assert {"config", "node", "spare", "epoch", "job", "bytes", "inject", "pg"} <= set(FAMILIES)
 
 
 @pytest.mark.parametrize("module", sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")

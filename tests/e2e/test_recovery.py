@@ -419,6 +419,33 @@ def test_a_busy_rank_is_not_a_dead_rank(run, reference):
     assert "ranks [0] had not reached it" in summary, job.describe()
 
 
+def test_members_that_wait_for_a_slow_member_put_no_load_on_the_jobs_store(run, reference):
+    # Rank 0 is alone in a 4 s evaluation in step 6 when rank 2 is killed: the others and
+    # rank 2's replacement report at once and wait for rank 0's report for the rest of it.
+    # They wait on their agents' node channels, the job's failure included: each member's
+    # requests to the job's store in the recovery are the few docs/recovery.md lists,
+    # however long the wait. (They polled the job's failure there every 50 ms: ~80 a member.)
+    job = run(script_args=["--busy", "0:6:4"])
+    job.wait_for(lambda: "rank 0 busy for 4.0s in step 6" in job.text(), "rank 0's evaluation")
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    [recovery] = recoveries(job)
+    assert recovery["failed"] == [2], recovery
+    counts = {e["rank"]: e for e in job.events("store_requests")}
+    assert sorted(counts) == [0, 1, 2, 3], job.describe()
+    for rank, count in counts.items():
+        # A survivor: the DDP layout, its marks and their counter. The replacement: its buddies'
+        # replica sizes and the layout (a wait and a read each), its marks and their counter.
+        # The last to publish its marks also reads the plan and every member's marks, and
+        # writes the recovery's time.
+        bound = (8 if rank == 2 else 3) + (5 if count["assembled"] else 0)
+        assert count["job_store"] <= bound, (rank, count)
+    # The spare waited for its rank on its node channel too: its registration was all.
+    [assigned] = job.events("spare_assigned")
+    assert assigned["job_store"] == 2, assigned
+
+
 def test_a_rank_killed_after_its_last_step_ends_the_job_normally(run, reference):
     job = run(script_args=["--sleep-after-loop", "3"])
     job.wait_for(lambda: "rank 2 done at step 40" in job.text(), "rank 2 to finish its loop")

@@ -1,9 +1,15 @@
-"""The member lifecycle: which transitions are allowed, and what needs_state says."""
+"""The member lifecycle (which transitions are allowed, what needs_state says), and a
+spare's wait for its rank on the node channel."""
+
+import threading
 
 import pytest
 
-from peerstate import InternalError
-from peerstate.worker.membership import MemberState, Membership, allowed
+from peerstate import InternalError, JobFailedError
+from peerstate.control import keys
+from peerstate.control.memory_store import InMemoryKeyValueStore
+from peerstate.control.messages import RecoveryPlan
+from peerstate.worker.membership import MemberState, Membership, allowed, job_failure, wait_for_assignment
 
 S = MemberState
 
@@ -57,3 +63,29 @@ def test_a_superseded_join_keeps_what_the_member_lacks():
     survivor.end_join()
     survivor.move(S.RECOVERING)
     assert survivor.begin_join() is False and survivor.state is S.JOINING
+
+
+def _plan(epoch, replaced):
+    return RecoveryPlan(epoch, {}, replaced, sorted(replaced), "killed", 1.0, 2.0).encode()
+
+
+def test_a_spare_finds_its_rank_in_the_plans_its_agent_copies_in_order():
+    channel = InMemoryKeyValueStore()
+    channel.set(keys.epoch_plan(1), _plan(1, {2: "n0.2"}))  # another spare's epoch
+    found = []
+    waiter = threading.Thread(target=lambda: found.append(wait_for_assignment(channel.clone(), "n1.2", poll=0.05)))
+    waiter.start()
+    channel.set(keys.epoch_plan(2), _plan(2, {5: "n0.3"}))
+    channel.set(keys.epoch_plan(3), _plan(3, {1: "n1.2", 6: "n0.4"}))
+    waiter.join(timeout=10)
+    [(plan, rank)] = found
+    assert (plan.epoch, rank) == (3, 1)
+
+
+def test_a_waiting_spare_leaves_once_its_agent_copied_the_jobs_failure():
+    channel = InMemoryKeyValueStore()
+    assert job_failure(channel) is None
+    channel.set(keys.JOB_FAILED, b"rank 3 and its only buddy were lost")
+    assert job_failure(channel) == "rank 3 and its only buddy were lost"
+    with pytest.raises(JobFailedError, match="while this spare waited: rank 3 and its only buddy were lost"):
+        wait_for_assignment(channel, "n1.2", poll=0.05)

@@ -11,9 +11,9 @@ A writer can die part way (its node lost during a recovery). Before its plan
 is written: a loser waiting for that plan takes the epoch over (compare_set
 of the owner key from the lost writer to itself) once the writer's node is
 declared dead, and writes the plan itself; a spare the lost writer had
-claimed stays out of the pool. After its plan but before the assign keys: the
-plan is the truth, and the agent of a named spare writes its key (see
-``assignments``).
+claimed stays out of the pool. Once its plan is written, the plan is the
+truth: a spare learns its rank from the plan itself, which its agent copies
+into the node channel (``worker.membership.wait_for_assignment``).
 
 Its keys are in ``keys`` (the spares, the epochs' owners and plans, the
 nodes' dead flags, the job's failure).
@@ -83,11 +83,6 @@ class Members(Mapping[int, str]):
         initial = [self[r] for r in range(first, min(first + self.nproc_per_node, self.world_size))
                    if r not in self._replaced]
         return initial + [w for w in self._replaced.values() if node_of_worker(w) == node]
-
-
-def _assignment(epoch: int, rank: int) -> bytes:
-    """The value of a spare's ``keys.assignment`` key."""
-    return json.dumps({"epoch": epoch, "rank": rank}).encode()
 
 
 class Coordinator:
@@ -225,8 +220,6 @@ class Coordinator:
             plan = RecoveryPlan(epoch, {}, replaced, failed, reason, detected_at, time.time(), me,
                                 current.collective_timeout)
             self.kv.set(keys.epoch_plan(epoch), plan.encode())
-            for rank, worker in replaced.items():
-                self.kv.set(keys.assignment(worker), _assignment(epoch, rank))
             self._retire(epoch - 1)
             plan.members, current.members = current.members, {}  # fold it in, as new_plans does
             plan.members.update(replaced)
@@ -291,14 +284,9 @@ class Coordinator:
                     f"lost within {timeout:.0f}s; the job cannot recover. Check that agent's node and its log.")
 
     def assignments(self, spares: Sequence[str]) -> Dict[str, int]:
-        """The ranks the latest plan gives to any of these waiting ``spares``. Also
-        writes each one's assign key if the plan's writer died before it could."""
+        """The ranks the latest plan gives to any of these waiting ``spares``."""
         plan = self.latest_plan()
-        waiting = set(spares)
-        ranks = {w: r for w in waiting for r in plan.members.ranks_of([w])}
-        for worker, rank in ranks.items():
-            self.kv.compare_set(keys.assignment(worker), b"", _assignment(plan.epoch, rank))
-        return ranks
+        return {w: r for w in set(spares) for r in plan.members.ranks_of([w])}
 
     def _assign_spares(self, epoch: int, failed: Sequence[int], current: RecoveryPlan,
                        timeout: float) -> Dict[int, str]:

@@ -208,7 +208,9 @@ class EtcdKeyValueStore(KeyValueStore):
     def rendezvous_store(self):
         from peerstate.control.etcd_rendezvous import rendezvous_store
 
-        return rendezvous_store(self.clone())
+        # Counted apart: ``count`` is this client's own requests, as TorchKeyValueStore's is.
+        return rendezvous_store(EtcdKeyValueStore([f"{h}:{p}" for h, p in self.endpoints], self.prefix,
+                                                  unavailable_timeout=self.unavailable_timeout, tls=self.tls))
 
     # -- beyond the contract ------------------------------------------------------------
     def delete(self, key: str) -> bool:

@@ -21,7 +21,6 @@ Spares
     ``spares``                      "id,id,..." every spare that ever registered (appended)
     ``spare/{worker}``              ready | gone | assigned:{epoch}:{rank}
     ``spares/wanted``               counter a plan writer bumps when it waits for a spare
-    ``assign/{worker}``             the assignment a waiting spare blocks on
 
 Epochs (one plan writer per epoch; each node's agent writes its node's entry)
     ``epoch/{e}/owner``             the plan writer that won epoch e (compare_set)
@@ -39,7 +38,9 @@ Per rank
 
 Node channel (a second store, hosted by each agent on loopback for its own
 workers: they never read the job's store for the recovery protocol)
-    ``epoch/{e}/plan``              the agent's copy of the epoch's plan (workers' watchers wait on it)
+    ``epoch/{e}/plan``              the agent's copy of the epoch's plan (workers' watchers wait on it,
+                                    and a waiting spare reads its assignment in it)
+    ``job/failed``                  the agent's copy of the job's failure, once its watch sees it
     ``epoch/{e}/report/{rank}``     a member's MemberReport, for its agent to gather
     ``epoch/{e}/orders/{n}``        the node's NodeInstructions, as the plan writer wrote them
     ``stopped/{rank}``              "{pid}:{index address}" of the rank's hung worker, frozen for its replacement
@@ -77,10 +78,6 @@ def node_done(node: int) -> str:
 
 def spare_state(worker: str) -> str:
     return f"spare/{worker}"
-
-
-def assignment(worker: str) -> str:
-    return f"assign/{worker}"
 
 
 def epoch_owner(epoch: int) -> str:

@@ -101,7 +101,8 @@ class KeyValueStore:
 @dataclass
 class RequestCount:
     """Requests a client sent to its store, and the bytes of keys and values that
-    went each way (what ``bench/scale.py`` reports; clones count into the same one)."""
+    went each way (what ``bench/scale.py`` reports, and each worker's recovery
+    report; clones count into the same one, a ``rendezvous_store()`` does not)."""
 
     requests: int = 0
     bytes_sent: int = 0

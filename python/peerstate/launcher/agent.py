@@ -21,12 +21,10 @@ workers (rank = node * nproc_per_node + k), the rest are spares.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -34,17 +32,14 @@ from typing import Dict, List, Optional, Tuple
 
 from peerstate.control import keys
 from peerstate.control import progress as progress_file
-from peerstate.control.coordinator import Coordinator
 from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, STACKS_SIGNAL, WorkerEnvironment, job_secret
 from peerstate.control.findings import FindingsReader
 from peerstate.control.kvstore import TorchKeyValueStore, store_gone
-from peerstate.control.node_relay import NodeRelay
-from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
+from peerstate.control.node_control import NodeControl
 from peerstate.control.progress import ProgressCounter
 from peerstate.control.timeline import EventLog
 from peerstate.errors import InvalidArgumentError, JobFailedError, StoreUnavailableError
 from peerstate.launcher.inject import FaultInjector
-from peerstate.control.leases import LeaseWatch
 from peerstate.launcher.config import AgentConfig
 from peerstate.launcher.fault_delivery import FaultDelivery
 from peerstate.launcher.fork_server import ForkServer
@@ -73,7 +68,6 @@ class Agent:
         self.processes: Dict[str, WorkerProcess] = {}
         self._next_index = config.nproc_per_node
         self._progress_dir = Path("/dev/shm" if os.path.isdir("/dev/shm") else self.log_dir)
-        self._reporting = threading.Lock()
         self._stopping = False
         # A bad --inject spec fails here, before anything starts.
         self.injector = FaultInjector(config.inject, world_size=self.world_size, nnodes=config.nnodes,
@@ -82,7 +76,6 @@ class Agent:
         self._spare_start_failures = 0  # spares in a row whose script failed before they were ready
         self._dying: list = []  # failed workers (Popen, ForkedProcess) whose exit has not completed yet
         self._fenced_reason: Optional[str] = None
-        self._relay_stop: Optional[threading.Event] = None
         self._forks: Optional[ForkServer] = None  # see launcher.fork_server (None until the first worker)
 
     # -- start ----------------------------------------------------------------------
@@ -121,30 +114,11 @@ class Agent:
         self.store_address = self.kv.address
         if self.hosts_store:
             print(f"peerstate: store at {self.store_address}", file=sys.stderr, flush=True)
-        self.coordinator = Coordinator(self.kv)
-        self.leases = LeaseWatch(self.kv, self.coordinator, self.node, config.nnodes, config.lease_timeout, self.name)
-        shape = {"nnodes": config.nnodes, "nproc_per_node": config.nproc_per_node, "world_size": self.world_size}
-        agreed = json.loads(self.kv.compare_set(keys.CONFIG, b"", json.dumps(shape).encode()))
-        if agreed != shape:
-            message = (f"node {self.node} was started with {shape} but the job was started with {agreed}: every "
-                       "agent needs the same --nnodes and --nproc-per-node")
-            self.coordinator.fail_job(message)
-            raise JobFailedError(message)
-        if self.kv.add(keys.NODES_JOINED, 1) > config.nnodes:
-            raise JobFailedError(f"more agents joined than --nnodes {config.nnodes}: two were started with the same "
-                                 "--node-rank, or the job's keys are a finished job's (give each run its own "
-                                 "--job-id)")
-        deadline = time.monotonic() + config.join_timeout
-        while self.kv.add(keys.NODES_JOINED, 0) < config.nnodes:
-            if self.coordinator.failure():
-                raise JobFailedError(self.coordinator.failure())
-            if time.monotonic() > deadline:
-                joined = self.kv.add(keys.NODES_JOINED, 0)
-                message = f"only {joined} of {config.nnodes} nodes joined within {config.join_timeout:.0f}s"
-                self.coordinator.fail_job(message)
-                raise JobFailedError(message)
-            time.sleep(0.02)
-        self.coordinator.start(self.name)
+        self.control = NodeControl(self.kv, self.node, config.nnodes, config.nproc_per_node,
+                                   join_timeout=config.join_timeout, lease_timeout=config.lease_timeout,
+                                   spare_timeout=config.spare_timeout, events=self.events, on_fenced=self._fenced)
+        self.coordinator = self.control.coordinator
+        self.control.connect()
         self._start_relay()
         self.stopped = StoppedWorkers(self.channel, self.events)
         self.findings = FindingsReader(self.channel)
@@ -153,28 +127,9 @@ class Agent:
 
     def _start_relay(self) -> None:
         """Host this node's channel (loopback, for its own workers only) and relay the
-        recovery protocol between it and the job's store (``NodeRelay``), on a thread
-        with its own store connection."""
+        recovery protocol between it and the job's store (``NodeRelay``)."""
         self.channel = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=self.config.join_timeout)
-        kv = self.kv.clone()
-        coordinator = Coordinator(kv)
-        writer = InstructionWriter(kv, coordinator, self.name, self.events, self.config.join_timeout * WRITER_MARGIN,
-                                   self._fence)
-        self.relay = NodeRelay(kv, self.channel.clone(), coordinator, writer, self.node, self.name,
-                               self.config.join_timeout, self._fail, self._fenced, self.config.lease_timeout)
-        self._relay_stop = threading.Event()
-        self._relay_thread = threading.Thread(target=self.relay.run, args=(self._relay_stop,), name="peerstate-relay",
-                                              daemon=True)
-        self._relay_thread.start()
-
-    def _fence(self, nodes: List[int], reason: str) -> None:
-        """Nodes that did not report in time: declared lost (their agents stop their
-        workers when they see it) and their ranks handed to spares. Runs on the relay's
-        thread: its own connection, not the watch loop's."""
-        coordinator = Coordinator(self.kv.clone())
-        for node in nodes:
-            if coordinator.declare_node_dead(node, self.name):
-                self._report(coordinator.workers_on(node), f"{reason}: node {node} is declared lost", time.time())
+        self.control.start_relay(self.channel.clone())
 
     def _fenced(self) -> None:
         """This node was declared lost while it lives (a lease or a report came too
@@ -252,7 +207,7 @@ class Agent:
                 if code is not None:
                     failed.extend(self._exited(process, code))
             if failed:  # ranks lost in one pass are planned for together: one recovery, not one each
-                self._report([w for w, _, _ in failed], "; ".join(r for _, r, _ in failed),
+                self.control.report([w for w, _, _ in failed], "; ".join(r for _, r, _ in failed),
                              min(t for _, _, t in failed))
             self._dying = [popen for popen in self._dying if popen.poll() is None]
             self.faults.deliver(self.processes)
@@ -264,21 +219,21 @@ class Agent:
                     print(f"peerstate: {self._fenced_reason}. Node {self.node} stops its workers and spares.",
                           file=sys.stderr, flush=True)
                     return 1
-                self.kv.add(keys.node_lease(self.node), 1)
-                failure = self.coordinator.failure()
-                if failure:
-                    return self._stop(failure)
+                tick = self.control.tick([p.worker for p in self.processes.values() if p.rank is None])
+                if tick.failure:
+                    self.channel.set(keys.JOB_FAILED, tick.failure.encode())  # its workers look for it there
+                    return self._stop(tick.failure)
                 self.findings.say_new(self.events, self._fail if self.config.strict else None)
-                if self.kv.add(keys.JOB_FINISHED, 0) >= self.world_size and not self._live_workers():
+                if tick.finished >= self.world_size and not self._live_workers():
                     self.kv.set(keys.node_done(self.node), b"1")
                     self.events.write("agent_done", node=self.node)
                     self.findings.say_all(f"node {self.node}'s ranks finished")
                     if self.hosts_store:
                         self._wait_for_other_nodes()
                     return 0
-                self._follow_spares()
+                self._follow_spares(tick.spare_states)
                 self._check_hangs(time.monotonic())  # fresh: a stale now reads a live worker as hung
-                self._check_leases(time.monotonic())  # not ``now``: the calls above may have waited for the store
+                self.control.check_leases(time.monotonic())  # not ``now``: the calls above may have waited
                 self._refill()
             time.sleep(POLL_SECONDS)
 
@@ -354,49 +309,13 @@ class Agent:
                    "until track() gives it one, and its LOCAL_RANK is provisional (docs/training-script.md, 'What a "
                    "training script must and must not do'): code before track() must not depend on the rank.")
 
-    def _report(self, workers: List[str], reason: str, detected_at: float) -> None:
-        """Write the recovery plan off the watch loop (waiting for a spare takes a while)."""
-        self.events.write("failure_detected", workers=workers, reason=reason, detected_at=detected_at)
-        print(f"peerstate: {reason}", file=sys.stderr, flush=True)
-        finished = self.kv.add(keys.JOB_FINISHED, 0)
-        if finished >= self.world_size:
-            return  # every rank finished: nothing is left to recover
-        if finished:
-            # A recovery replays from the last common step with every member; a finished one has
-            # left its loop and would never join. Stopping now beats waiting out the join timeout.
-            self._fail(f"{reason} after {finished} of the job's {self.world_size} ranks had finished their last "
-                       "step: they have left the training loop, so the step it was in cannot be replayed with them. "
-                       "What the finished ranks wrote after their loop stands; this rank's last steps are lost")
-            return
-
-        def report() -> None:
-            try:
-                with self._reporting:
-                    # Its own connection: waits on this one must not delay the lease on the main one.
-                    coordinator = Coordinator(self.kv.clone())
-                    plan = coordinator.report_failure(workers, reason, detected_at=detected_at, me=self.name,
-                                                      spare_timeout=self.config.spare_timeout,
-                                                      writer_grace=self.config.lease_timeout + 30)
-                if plan is not None:
-                    self.events.write("plan", epoch=plan.epoch, failed=plan.failed, replaced=plan.replaced,
-                                      reason=plan.reason, detected_at=plan.detected_at, planned_at=plan.planned_at)
-            except JobFailedError as error:
-                self._fail(str(error))
-            except Exception as error:  # noqa: BLE001 - the store is gone: the job is over
-                self._fail(f"could not write a recovery plan: {error}")
-
-        threading.Thread(target=report, name="peerstate-report", daemon=True).start()
-
-    def _follow_spares(self) -> None:
+    def _follow_spares(self, states: Dict[str, Optional[bytes]]) -> None:
         """Learn which of this node's spares a planner claimed (they no longer count as
         waiting) and which became workers (then they are watched for hangs): the ones
-        the latest plan names, whether or not its writer lived on to write their
-        assign keys (``Coordinator.assignments`` writes them then)."""
-        waiting = {p.worker: p for p in self.processes.values() if p.rank is None}
-        if not waiting:
-            return
-        states = self.kv.get_many([keys.spare_state(w) for w in waiting])
-        for process, state in zip(waiting.values(), states):
+        the latest plan names (each spare reads its rank in the plans themselves)."""
+        waiting = {p.worker: p for p in self.processes.values() if p.rank is None and p.worker in states}
+        for worker, process in waiting.items():
+            state = states[worker]
             process.claimed = bool(state and state.startswith(b"assigned:"))
             process.ready = state == b"ready"
             if state:
@@ -415,7 +334,7 @@ class Agent:
                 if cause == "stalled":  # it runs: its stacks say where (a frozen one answers no signal)
                     self._ask_for_stacks(process)
                 if self.stopped.freeze(process):  # reported now, killed once its replacement read it
-                    self._report([process.worker],
+                    self.control.report([process.worker],
                                  f"rank {process.rank} ({process.worker}) {process.describe_hang(held=True)}",
                                  time.time())
                     continue
@@ -431,12 +350,6 @@ class Agent:
         except OSError:
             return
         time.sleep(STACKS_GRACE)
-
-    def _check_leases(self, now: float) -> None:
-        """Declare the nodes of this agent's ring window whose lease stopped (see ``LeaseWatch``)."""
-        for node, still in self.leases.check(now):
-            self._report(self.coordinator.workers_on(node), f"node {node} lost: its lease expired {still:.1f}s ago",
-                         time.time() - (still - self.config.lease_timeout))
 
     def _refill(self) -> None:
         """Keep --spares spares waiting, but not while a recovery runs (a starting
@@ -486,9 +399,8 @@ class Agent:
 
     def _kill_all(self) -> None:
         self._stopping = True
-        if self._relay_stop is not None:  # its blocked wait must end before the stores go away
-            self._relay_stop.set()
-            self._relay_thread.join(timeout=5.0)
+        if hasattr(self, "control"):
+            self.control.stop_relay()
         for process in self.processes.values():
             if process.popen.poll() is None:
                 process.signal_group(signal.SIGKILL)

@@ -1,9 +1,10 @@
 """The control plane of a large job, simulated over a real store: what
 ``bench/scale.py`` measures and the protocol tests drive.
 
-A ``SimulatedNode`` runs its agent's real recovery code (``NodeRelay``,
-``InstructionWriter``, ``Coordinator``) against the job's real store, over a
-connection of its own, exactly as ``peerstate run``'s agent does. What is
+A ``SimulatedNode`` runs its agent's real control code (``NodeControl``, and
+through it ``NodeRelay``, ``InstructionWriter``, ``Coordinator``) against the
+job's real store, over connections of its own, exactly as ``peerstate run``'s
+agent does. What is
 modelled, not run:
 - the node channel is an in-process store (``SimulatedChannel``), and the
   members on it answer at once: when the relay copies a plan into it, each
@@ -12,27 +13,24 @@ modelled, not run:
   its restore are not run;
 - process groups are not formed (that is torch's rendezvous, not ours).
 
-``SimulatedNode.tick`` makes the store calls of one watch tick of an agent
-(``launcher.agent.Agent._watch``) for the steady-state figures.
+``SimulatedNode`` is the agent's own ``NodeControl`` (joining, ticks, lease
+checks, relay, fencing, plan writing), not a copy of it; ``tick`` makes the
+store calls of one watch tick of an agent for the steady-state figures.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from peerstate.control import keys
-from peerstate.control.coordinator import Coordinator
 from peerstate.control.stores import open_store
 from peerstate.control.memory_store import InMemoryKeyValueStore
 from peerstate.control.messages import MemberReport, RecoveryPlan, StateLayout
-from peerstate.control.node_relay import NodeRelay
-from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
+from peerstate.control.node_control import NodeControl
 from peerstate.control.planning import node_of_worker
-from peerstate.control.leases import LeaseWatch
 from peerstate.replication.placement import BuddyPlacement
 
 LAYOUT = StateLayout(k=1, share_count=8, data_parallel=True)  # the default of a multi-node job of 8 ranks per node
@@ -110,67 +108,53 @@ class SimulatedChannel(InMemoryKeyValueStore):
 
 
 class SimulatedNode:
-    """One node's agent, as far as the job's store sees it (see the module docstring)."""
+    """One node's agent, as far as the job's store sees it (see the module docstring):
+    the agent's own ``NodeControl`` on a simulated channel."""
 
     def __init__(self, store: str, node: int, nnodes: int, nproc: int, served: Dict[int, List[int]], *,
                  spares: int = 1, version: int = 100, report_timeout: float = 60.0, lease_timeout: float = 3.0,
                  layout: StateLayout = LAYOUT) -> None:
         self.node, self.nnodes, self.nproc, self.spares = node, nnodes, nproc, spares
-        self.name = f"agent{node}"
         self.kv = open_store(store, timeout=120.0)  # HOST:PORT of a TCPStore, or etcd://...
-        self.relay_kv = self.kv.clone()  # the relay's own connection, as in the agent (one count for both)
-        self.coordinator = Coordinator(self.kv)
-        relay_coordinator = Coordinator(self.relay_kv)
         self.channel = SimulatedChannel(node, nproc, served, version, layout)
         self.failures: List[str] = []
         self.fenced = False
-        self.writer = InstructionWriter(self.relay_kv, relay_coordinator, self.name, None,
-                                        report_timeout * WRITER_MARGIN, self.fence)
-        self.relay = NodeRelay(self.relay_kv, self.channel, relay_coordinator, self.writer, node, self.name,
-                               report_timeout, self.failures.append, self._on_fenced, lease_timeout)
-        self.leases = LeaseWatch(self.kv, self.coordinator, node, nnodes, lease_timeout, self.name)
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        # The relay's connection is a clone: one count for both, as in the agent.
+        self.control = NodeControl(self.kv, node, nnodes, nproc, join_timeout=report_timeout,
+                                   lease_timeout=lease_timeout, spare_timeout=report_timeout,
+                                   on_failure=self.failures.append, on_fenced=self._on_fenced,
+                                   say=lambda message: None)
+        self.coordinator, self.writer, self.leases = self.control.coordinator, self.control.writer, self.control.leases
+        self._began = False
+
+    @property
+    def relay(self):
+        return self.control.relay
 
     def connect(self) -> None:
-        """What the agent does when it starts: agree on the shape, count in, start epoch 0,
-        register its spares."""
-        shape = {"nnodes": self.nnodes, "nproc_per_node": self.nproc, "world_size": self.nnodes * self.nproc}
-        self.kv.compare_set(keys.CONFIG, b"", json.dumps(shape).encode())
-        self.kv.add(keys.NODES_JOINED, 1)
-        self.coordinator.start(self.name)
+        """What the agent does when it starts, up to waiting for the other nodes (which a
+        simulation starts one by one): agree on the shape, count in; its spares register."""
+        self.control.count_in()
         for index in range(self.spares):
             self.coordinator.register_spare(f"n{self.node}.{self.nproc + index}")
 
     def start(self) -> None:
-        """Run the relay (again, after ``stop``: an agent that stalled and came back)."""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.relay.run, args=(self._stop,), name=f"relay-{self.node}",
-                                        daemon=True)
-        self._thread.start()
-
-    def fence(self, nodes: List[int], reason: str) -> None:
-        """``InstructionWriter``'s late-node handler, as the agent's ``_fence``."""
-        coordinator = Coordinator(self.relay_kv)  # on the relay's thread, as in the agent
-        for node in nodes:
-            if coordinator.declare_node_dead(node, self.name):
-                coordinator.report_failure(coordinator.workers_on(node), reason, detected_at=time.time(), me=self.name)
+        """The rest of the agent's start: epoch 0, then the relay (again, after ``stop``:
+        an agent that stalled and came back). Not its wait for every node to count in:
+        the harness starts the nodes when it wants them to run."""
+        if not self._began:
+            self.control.begin()
+            self._began = True
+        self.control.start_relay(self.channel)
 
     def _on_fenced(self) -> None:
         self.fenced = True
 
     def tick(self, now: float) -> None:
-        """The store calls of one agent watch tick in the steady state: its lease, the
-        job's failure and finish, its waiting spares' states, its ring window."""
-        self.kv.add(keys.node_lease(self.node), 1)
-        self.coordinator.failure()
-        self.kv.add(keys.JOB_FINISHED, 0)
-        if self.spares:
-            self.kv.get_many([keys.spare_state(f"n{self.node}.{self.nproc + i}") for i in range(self.spares)])
-        self.leases.check(now)
+        """One agent watch tick's store calls in the steady state (``Agent._watch``)."""
+        self.control.tick([f"n{self.node}.{self.nproc + i}" for i in range(self.spares)])
+        self.control.check_leases(now)
 
     def stop(self, wait: bool = True) -> None:
         """Stop the relay; ``wait=False`` only asks it to (stop many, then wait for each)."""
-        self._stop.set()
-        if wait and self._thread is not None:
-            self._thread.join(timeout=5.0)
+        self.control.stop_relay(wait)

@@ -48,7 +48,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import json
 import math
 import os
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -62,7 +61,7 @@ from peerstate.control.stores import open_store
 from peerstate.control.messages import RecoveryPlan
 from peerstate.control.progress import ProgressCounter
 from peerstate.control.timeline import EventLog
-from peerstate.errors import InvalidArgumentError, JobFailedError
+from peerstate.errors import InvalidArgumentError
 from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.replication.stopped_holder import permit_reads_by_the_node
@@ -70,7 +69,7 @@ from peerstate.state.training_state import optimizer_parts
 from peerstate.worker.abort import AbortHandler
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.joiner import FORM_CONNECT_TIMEOUT, EpochJoiner, Superseded
-from peerstate.worker.membership import EpochWatcher, Membership, MemberState
+from peerstate.worker.membership import EpochWatcher, Membership, MemberState, wait_for_assignment
 from peerstate.worker.meshes import BuiltMeshes, DeclaredMesh, replica_dimension
 from peerstate.worker.process_groups import ProcessGroups, Subgroup, claim_default_group, release_default_group
 from peerstate.worker.rebuild import DistributedWrappers, RebuildableDDP
@@ -428,17 +427,9 @@ class Job:
             return self.rank
         self.coordinator.register_spare(self.worker)
         self.events.write("spare_ready", pid=os.getpid())
-        key = keys.assignment(self.worker)
-        while True:
-            try:
-                self.kv.wait([key], timeout=5.0)
-                break
-            except TimeoutError:
-                if self.coordinator.failure():
-                    raise JobFailedError(f"the job stopped while this spare waited: {self.coordinator.failure()}")
-        assignment = json.loads(self.kv.get(key))
-        self.events.write("spare_assigned", **assignment)
-        self._become_member(self._plan(assignment["epoch"]), assignment["rank"])
+        plan, rank = wait_for_assignment(self.channel, self.worker)
+        self.events.write("spare_assigned", epoch=plan.epoch, rank=rank, job_store=self.kv.count.requests)
+        self._become_member(plan, rank)
         return self.rank
 
     def _plan(self, epoch: int) -> RecoveryPlan:

@@ -21,7 +21,7 @@ from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.replication.stopped_holder import StoppedHolder
 from peerstate.worker.checkpoint import DiskCheckpoints
-from peerstate.worker.membership import EpochWatcher, Membership
+from peerstate.worker.membership import EpochWatcher, Membership, job_failure
 from peerstate.worker.process_groups import ProcessGroups
 from peerstate.worker.rebuild import DistributedWrappers
 from peerstate.worker.regroup import BusyPeerRegroup
@@ -66,9 +66,9 @@ class Superseded(Exception):
 class EpochJoiner:
     """Runs the joins of one member. Every collaborator is handed in; the
     replication endpoint and the watcher are set once the member has a rank.
-    ``kv`` is the job's store (process groups, the job's failure); ``channel``
-    the node channel its agent relays the recovery protocol through
-    (``control.node_relay``)."""
+    ``kv`` is the job's store (the process groups' rendezvous, and the few requests
+    ``docs/recovery.md`` lists); ``channel`` the node channel its agent relays the
+    recovery protocol and the job's failure through (``control.node_relay``)."""
 
     def __init__(self, membership: Membership, kv: KeyValueStore, channel: KeyValueStore, coordinator: Coordinator,
                  groups: ProcessGroups, tracked: TrackedState, restorer: Restorer, boundary: StepBoundary,
@@ -118,6 +118,7 @@ class EpochJoiner:
                                  f"{plan.epoch}: this worker was declared failed")
         needs_state = membership.begin_join()
         if plan.epoch > 0:
+            self.report.recovery_began()
             self.wrappers.release(plan.epoch, publish=not needs_state)
             self.groups.destroy()
             with membership.lock:  # see AbortHandler
@@ -300,17 +301,22 @@ class EpochJoiner:
         as a plan is being written (its writer may be waiting for a spare)."""
         if self.watcher.wait_newer(epoch, self.failure_grace):
             return True
+        # Past the grace only: a plan being written (a request a second to the job's store).
         deadline = time.monotonic() + self.join_timeout
         while self.kv.get(keys.epoch_owner(epoch + 1)) is not None and time.monotonic() < deadline:
             if self.watcher.wait_newer(epoch, 1.0):
                 return True
-            if self.coordinator.failure():
+            if job_failure(self.channel):
                 return False
         return False
 
     def check_current(self, epoch: int) -> None:
+        """Superseded once a newer epoch began; JobFailedError once the job stopped. Both
+        read what the agent copied into the node channel: a member calls it every
+        ``INSTRUCTIONS_POLL`` while it waits, which on the job's store was the herd
+        of a recovery (20 requests a second a rank)."""
         if self.watcher.latest.epoch > epoch:
             raise Superseded()
-        failure = self.coordinator.failure()
+        failure = job_failure(self.channel)
         if failure:
             raise JobFailedError(f"the job stopped: {failure}")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Callable, Dict, FrozenSet, Optional
+from typing import Callable, Dict, FrozenSet, Optional, Tuple
 
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.messages import RecoveryPlan
-from peerstate.errors import InternalError
+from peerstate.errors import InternalError, JobFailedError
 
 
 class MemberState(enum.Enum):
@@ -87,6 +87,36 @@ class Membership:
         NEEDS_STATE until ``restored()``."""
         self.move(MemberState.NEEDS_STATE if self._joining_without_state else MemberState.ACTIVE)
         self._joining_without_state = False
+
+
+def job_failure(channel: KeyValueStore) -> Optional[str]:
+    """Why the job stopped, once this worker's agent has seen it (None before): the
+    agent copies the job's failure into its node channel, so a worker that checks
+    for it while it waits puts no load on the job's store."""
+    raw = channel.get(keys.JOB_FAILED)
+    return raw.decode() if raw else None
+
+
+def wait_for_assignment(channel: KeyValueStore, worker: str, poll: float = 5.0) -> Tuple[RecoveryPlan, int]:
+    """A spare's wait for a rank: the first plan that gives one to ``worker``, and
+    that rank. The agent copies every plan into the node channel in order, and a
+    plan names the spares it takes, so the wait reads nothing of the job's store
+    (a worker name is never reused: no plan before the spare started names it).
+    Blocks until then; JobFailedError once the job's failure is in the channel
+    (looked for every ``poll`` seconds)."""
+    epoch = 1
+    while True:
+        try:
+            plan = RecoveryPlan.decode(channel.wait_get(keys.epoch_plan(epoch), timeout=poll))
+        except TimeoutError:
+            failure = job_failure(channel)
+            if failure:
+                raise JobFailedError(f"the job stopped while this spare waited: {failure}") from None
+            continue
+        for rank, taker in plan.replaced.items():
+            if taker == worker:
+                return plan, rank
+        epoch += 1
 
 
 class EpochWatcher:

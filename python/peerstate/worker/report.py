@@ -33,6 +33,15 @@ class RecoveryReport:
         self.step_seconds: List[float] = []
         self.replayed_steps = 0  # steps this member ran again after its rollbacks, past each recovery's first
         self._start_recorded = False
+        self._requests_at: Optional[int] = None  # the job-store requests count when this recovery began
+
+    def recovery_began(self) -> None:
+        """This member joins a recovery's epoch (the first of several if newer ones
+        supersede it): its requests to the job's store are counted from here to the
+        recovery's end, and said in the ``store_requests`` event (docs/recovery.md
+        lists the ones a recovery makes)."""
+        if self._requests_at is None:
+            self._requests_at = self._kv.count.requests
 
     def mark(self, phase: str) -> None:
         self.marks[phase] = time.time()
@@ -53,8 +62,16 @@ class RecoveryReport:
             self.events.write("pulled", **self.pulled)
             self.pulled = None
         self._kv.set(keys.recovery_marks(epoch, rank), json.dumps(self.marks).encode())
-        if self._kv.add(keys.marks_done(epoch), 1) != self._world_size:
-            return
+        last = self._kv.add(keys.marks_done(epoch), 1) == self._world_size
+        if last:
+            self._assemble(epoch, version)
+        if self._requests_at is not None:
+            self.events.write("store_requests", epoch=epoch, rank=rank, assembled=last,
+                              job_store=self._kv.count.requests - self._requests_at)
+            self._requests_at = None
+
+    def _assemble(self, epoch: int, version: int) -> None:
+        """The last member to publish its marks: the recovery's timeline, from everyone's."""
         plan = self._coordinator.plan(epoch)
         raw = self._kv.get_many([keys.recovery_marks(epoch, r) for r in range(self._world_size)])
         marks = {r: json.loads(m) for r, m in enumerate(raw) if m}
