@@ -1,8 +1,8 @@
 """Recovery, step overhead and goodput of the DeviceMesh examples: HSDP, FSDP2 +
 tensor parallelism, a 2-stage pipeline and the torchtitan-shaped trainer in its
 FSDP2+TP and HSDP layouts (examples/), and of torchtitan's own Trainer in the same
-two layouts (``torchtitan-*``: peerstate.integrations.torchtitan, the torchtitan
-extra), over gloo on this machine.
+two layouts and a 2-stage pipeline of FSDP2 pairs (``torchtitan-*``:
+peerstate.integrations.torchtitan, the torchtitan extra), over gloo on this machine.
 
 Each example runs three times under `peerstate run`, 2 simulated nodes x 2
 workers + 1 hot spare, in the same bench run:
@@ -51,7 +51,8 @@ TORCHTITAN = HERE.parent / "tests" / "helpers" / "torchtitan_job.py"
 CASES = {"hsdp": ["hsdp.py"], "fsdp-tp": ["fsdp_tp.py"], "pipeline": ["pipeline.py"],
          "trainer-fsdp-tp": ["trainer.py", "--layout", "fsdp_tp"], "trainer-hsdp": ["trainer.py", "--layout", "hsdp"],
          "torchtitan-hsdp": [str(TORCHTITAN), "--layout", "hsdp"],
-         "torchtitan-fsdp-tp": [str(TORCHTITAN), "--layout", "fsdp_tp"]}
+         "torchtitan-fsdp-tp": [str(TORCHTITAN), "--layout", "fsdp_tp"],
+         "torchtitan-pp": [str(TORCHTITAN), "--layout", "pp_fsdp"]}
 
 
 def run(example: str, steps: int, width: int, capture: bool, kill_step: Optional[int] = None,

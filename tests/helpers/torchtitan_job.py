@@ -16,14 +16,20 @@ import os
 import sys
 
 LAYOUTS = {"hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
-           "fsdp_tp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]}
+           "fsdp_tp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+           "pp_fsdp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--layout", choices=sorted(LAYOUTS), default="hsdp")
 parser.add_argument("--assets", required=True, help="a folder with tokenizer/ and data/ (tests/integrations)")
+parser.add_argument("--validate-every", type=int, default=0, help="torchtitan's validation every N steps (2 batches)")
 args, rest = parser.parse_known_args()
+if args.validate_every:
+    rest += ["--validation.enable", "--validation.dataset", "c4_test", "--validation.dataset_path",
+             os.path.join(args.assets, "data"), "--validation.freq", str(args.validate_every), "--validation.steps", "2",
+             "--validation.seq_len", "64", "--validation.local_batch_size", "2"]
 
 os.environ["LOCAL_RANK"] = "0"  # the one CPU device (peerstate itself never reads it)
 # torchtitan's parser reads sys.argv[1:] as it stood when torchtitan was imported: set it before

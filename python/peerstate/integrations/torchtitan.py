@@ -15,9 +15,13 @@ torchtitan's own files are untouched):
 - after ``Trainer.__init__``: ``job.track`` of what torchtitan hands its
   checkpointer: the model parts, the optimizer and LR-scheduler containers, the
   data loader and the trainer's own train state (``step``, ``ntokens_seen``),
-  with HSDP's replicas as the shards' copies (``data_parallel="dp_replicate"``).
-- ``train``: each step in ``job.guard()``; the data iterator is made again from
-  the restored loader after a recovery.
+  with HSDP's replicas as the shards' copies (``data_parallel="dp_replicate"``);
+  and the validator's loader, which its checkpointer does not save (each
+  validation reads on from where the last stopped: a replay must too).
+- ``train``: each step, and the validation that follows it when one is due
+  (``--validation.enable``), in ``job.guard()``; the data iterator is made again
+  from the restored loader after a recovery, and a pipeline's schedule again
+  over the epoch's "pp" group (the validator's too).
 
 What a torchtitan job must keep to: a pinned ``--debug.seed`` (unpinned,
 torchtitan broadcasts rank 0's seed between the meshes and the model, where a
@@ -26,9 +30,7 @@ no asynchronous checkpointing (it makes a process group of its own). What
 torchtitan's own loop did that this one does not: its checkpointer's save and
 load (peerstate's ``--checkpoint-dir`` is the disk fallback and the resume), and
 ``comm.train_timeout_seconds`` after step 1 (peerstate bounds every collective
-wait by ``Job(abort_timeout=...)``). Not run here: pipeline parallelism (the
-schedule must be built again after a recovery, as ``examples/pipeline.py``
-does), validation, profiling, and GPU/NCCL.
+wait by ``Job(abort_timeout=...)``), and profiling. Not run here: GPU/NCCL.
 """
 
 from __future__ import annotations
@@ -59,8 +61,11 @@ class PeerstateTrainer(Trainer):
                   "cannot take part; pinned to 0 (set --debug.seed to choose)", file=sys.stderr, flush=True)
         super().__init__(job_config)
         dims = self.parallel_dims
+        extras = {"train_state": self}
+        if job_config.validation.enable:  # its loader reads on from where it stopped: its position is state
+            extras["validation_loader"] = self.validator.validation_dataloader
         self.job.track(model=self.model_parts, optimizer=self.optimizers, scheduler=self.lr_schedulers,
-                       loader=self.dataloader, extras={"train_state": self},
+                       loader=self.dataloader, extras=extras,
                        data_parallel="dp_replicate" if dims.dp_replicate > 1 else False)
 
     def init_distributed(self) -> ParallelDims:
@@ -91,11 +96,31 @@ class PeerstateTrainer(Trainer):
         recoveries = -1
         for index in self.job.steps(config.training.steps):
             if self.job.recoveries != recoveries:  # the loader was restored: read on from where it stands
+                if recoveries >= 0 and self.parallel_dims.pp_enabled:
+                    self._rebuild_pipeline()
                 iterator, recoveries = self.batch_generator(self.dataloader), self.job.recoveries
             with self.job.guard():
                 self.step = index + 1  # torchtitan counts steps from 1
                 self.gc_handler.run(self.step)
                 self.train_step(iterator)
+                # In the guard: its collectives are aborted and it is run again with the step.
+                if config.validation.enable and self.validator.should_validate(self.step):
+                    self.validator.validate(self.model_parts, self.step)
+
+    def _rebuild_pipeline(self) -> None:
+        """The schedule's stages hold the "pp" group of the epoch they were built in, which
+        the recovery aborted: the same stages (model parts, indices) over this epoch's
+        group, in a schedule built as torchtitan builds it."""
+        from torch.distributed.pipelining import PipelineStage
+        from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
+
+        old = self.pp_schedule
+        stages = list(getattr(old, "_stages", None) or [old._stage])
+        group = self.parallel_dims.get_mesh("pp").get_group("pp")
+        fresh = [PipelineStage(s.submod, s.stage_index, s.num_stages, s.device, group=group) for s in stages]
+        self.pp_schedule = build_pipeline_schedule(self.job_config, fresh, self.loss_fn)
+        if self.job_config.validation.enable:
+            self.validator.pp_schedule = self.pp_schedule  # it evaluates through the same stages
 
     def close(self) -> None:
         super().close()
