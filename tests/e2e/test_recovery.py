@@ -146,6 +146,31 @@ def test_a_collective_between_two_guarded_steps_is_said_and_stops_a_strict_job(r
     assert "the job cannot go on: --strict: rank" in summary and "outside job.guard()" in summary, summary
 
 
+def test_a_random_draw_between_two_guarded_steps_is_said_and_stops_a_strict_job(run, reference):
+    # A draw from the global generator after each step's guard (an evaluation that samples):
+    # the recovery rolls back to a step's end and goes on at the next guard without it, so the
+    # run ends with other parameters than the fault-free one. Every rank says so once, at step
+    # 1's guard (before any failure), on its agent's console and in the summary (rank 2's
+    # replacement too, at its own second guard); --strict stops the job.
+    job = run(script_args=["--draw-after-guard"])
+    job.wait_for_step(2, 10)
+    job.kill_rank(2)
+    assert job.wait() == [0, 0], job.describe()
+    final = torch.load(job.out)
+    assert any(not torch.equal(final[k], reference[k]) for k in reference), "a recovery replayed the draw?"
+    for node, ranks in ((0, (0, 1)), (1, (2, 3))):
+        console = job.agent_logs[node].read_text()
+        said = re.findall(r"rank (\d) \(n\d\.\d\) at step 1: a random draw ran outside job\.guard\(\), which a "
+                          r"recovery does not replay: random numbers were drawn from torch's global generator "
+                          r"between the end of step 0's guard and step 1's", console)
+        assert sorted(said) == sorted(2 * [str(r) for r in ranks]), console  # at once, and in the summary
+        assert "the script drew random numbers outside job.guard()" in console, console
+    job = run(script_args=["--draw-after-guard"], agent_args=[*FAST, "--strict"])
+    assert job.wait() == [1, 1], job.describe()
+    summary = job.agent_logs[0].read_text()
+    assert "the job cannot go on: --strict: rank" in summary and "random draw ran outside" in summary, summary
+
+
 def test_two_failures_in_sequence_refill_the_spare_pool(run, reference):
     # Survivors pull the data-parallel share they lack at each recovery. Steps of half a
     # second: the second kill waits for the refilled spare, and for rank 3's first copy

@@ -63,6 +63,9 @@ parser.add_argument("--pg-timeout", type=float, default=None, metavar="SECONDS",
                     help="after step 1, set every group's timeout to SECONDS, as torchtitan's set_pg_timeouts does")
 parser.add_argument("--collective-outside-guard", action="store_true",
                     help="after step 1, all_reduce a metric between the guards (no recovery reaches it there)")
+parser.add_argument("--draw-after-guard", action="store_true",
+                    help="after each step's guard, draw from the global RNG (a sampling evaluation), where a "
+                         "recovery does not draw again")
 parser.add_argument("--step-function", action="store_true",
                     help="run each step through the job.guarded decorator instead of `with job.guard():`")
 parser.add_argument("--report-ports", action="store_true",
@@ -217,6 +220,8 @@ for step in job.steps(args.steps):
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=args.pg_timeout))
     if args.collective_outside_guard and step == 1:
         dist.all_reduce(torch.zeros(1))
+    if args.draw_after_guard:
+        torch.rand(1)
     if args.trace:
         digest = sum(float((p.to_local() if args.fsdp else p).double().sum()) for p in model.parameters())
         print(f"rank {job.rank} step {step} params {digest!r} lr {optimizer.param_groups[0]['lr']!r}", flush=True)

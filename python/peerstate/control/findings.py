@@ -2,7 +2,8 @@
 a fault-free one (a replacement's RNG states changed between its restore and its
 first step: a seed set or a random draw after ``track()``, a batch prefetched
 across steps), a collective the script ran between two guarded steps, where no
-recovery reaches it (``UNGUARDED``), or a call of the script that peerstate
+recovery reaches it (``UNGUARDED``), random numbers it drew there, which no
+recovery replays (``UNGUARDED_DRAW``), or a call of the script that peerstate
 overrode to keep its bounds (``OVERRIDDEN``: a process-group timeout past
 them). A worker reports
 each to its agent through the node channel; the agent says it on ``peerstate
@@ -24,11 +25,14 @@ from peerstate.control.timeline import EventLog
 NOT_BITWISE = "not_bitwise"
 OVERRIDDEN = "overridden"
 UNGUARDED = "unguarded"
+UNGUARDED_DRAW = "unguarded_draw"
 # kind -> (what a finding of it says before its cause, what the closing summary says of the run), by weight
 _WORDS = {NOT_BITWISE: ("this run is no longer bitwise equal to a fault-free one: ",
                         "the run is not bitwise equal to a fault-free one"),
           UNGUARDED: ("a collective ran outside job.guard(), where no recovery reaches it: ",
                       "the script ran collectives outside job.guard()"),
+          UNGUARDED_DRAW: ("a random draw ran outside job.guard(), which a recovery does not replay: ",
+                           "the script drew random numbers outside job.guard()"),
           OVERRIDDEN: ("peerstate overrode a call of the script: ", "peerstate overrode calls of the script")}
 
 

@@ -395,7 +395,7 @@ class Job:
             raise InvalidArgumentError(self.coordinator.fail_job(f"rank {self.rank}: {undeclared}"))
         self.checks.before_step(self.next_step)
         self._guard = StepGuard(self.joiner, self.boundary, self.membership, self.events, self.regroup,
-                                self.checks.unguarded.mark)
+                                self.checks.step_ended)
         return self._guard
 
     def guarded(self, step_function: Callable[..., Any]) -> Callable[..., Any]:

@@ -10,14 +10,14 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from peerstate.control import keys
-from peerstate.control.findings import UNGUARDED, report_finding
+from peerstate.control.findings import UNGUARDED, UNGUARDED_DRAW, report_finding
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.timeline import EventLog
 from peerstate.worker.joiner import EpochJoiner
 from peerstate.worker.membership import MemberState, Membership
 from peerstate.worker.step_boundary import StepBoundary
 from peerstate.worker.tracked_state import TrackedState
-from peerstate.worker.unguarded import UnguardedCollectives
+from peerstate.worker.unguarded import UnguardedCollectives, UnguardedDraws
 
 if TYPE_CHECKING:
     from peerstate.control.coordinator import Coordinator
@@ -117,12 +117,14 @@ class StepGuard:
 class StepChecks:
     """What ``Job.guard`` finds before a step that the run's owner must hear of: a
     replacement's RNG states changed between its restore and its first step, and
-    collectives run between two guards. Each is said in the worker's log and, as a
-    finding, on its agent's console and in the run's summary (``control.findings``)."""
+    collectives run, or random numbers drawn, between two guards. Each is said in the
+    worker's log and, as a finding, on its agent's console and in the run's summary
+    (``control.findings``)."""
 
     def __init__(self, membership: Membership, tracked: TrackedState, unguarded: UnguardedCollectives,
                  channel: KeyValueStore, events: EventLog) -> None:
         self._membership, self._tracked, self.unguarded = membership, tracked, unguarded
+        self.draws = UnguardedDraws()
         self._channel, self._events = channel, events
 
     def before_step(self, step: int) -> None:
@@ -137,7 +139,13 @@ class StepChecks:
             self._events.write("rng_changed_after_restore", rank=rank, step=step)
             report_finding(self._channel, rank, worker, step, cause)
             warnings.warn(cause, RuntimeWarning, stacklevel=3)
-        cause = self.unguarded.cause(self._membership.epoch, step)
-        if cause:
-            print(f"peerstate: rank {rank}: {cause}", file=sys.stderr, flush=True)
-            report_finding(self._channel, rank, worker, step, cause, kind=UNGUARDED)
+        for found, kind in ((self.unguarded.cause(self._membership.epoch, step), UNGUARDED),
+                            (self.draws.cause(self._membership.epoch, step), UNGUARDED_DRAW)):
+            if found:
+                print(f"peerstate: rank {rank}: {found}", file=sys.stderr, flush=True)
+                report_finding(self._channel, rank, worker, step, found, kind=kind)
+
+    def step_ended(self, epoch: int) -> None:
+        """A step's guard ended cleanly: what the next guard compares with."""
+        self.unguarded.mark(epoch)
+        self.draws.mark(epoch)

@@ -1,12 +1,23 @@
-"""Collectives the script runs between two guarded steps. A peer that fails while
-one runs is not recovered there: the collective raises outside ``job.guard()`` and
-the rank exits, or waits out its timeout. torch counts each group's collectives
-(p2p included) in its sequence number; a count that moved between the end of one
-step's guard and the start of the next is such a collective."""
+"""What the script runs between two guarded steps that a recovery does not cover.
+
+Collectives: a peer that fails while one runs is not recovered there: the
+collective raises outside ``job.guard()`` and the rank exits, or waits out its
+timeout. torch counts each group's collectives (p2p included) in its sequence
+number; a count that moved between the end of one step's guard and the start
+of the next is such a collective.
+
+Random draws: a recovery rolls every member back to a step's end (its RNG
+states included) and runs on from the next ``steps()`` iteration, so a draw
+made after a guard (an evaluation that samples, a loader that shuffles after
+the step) is not made again and the replayed steps draw other numbers; one made
+before the guard is replayed, but only where it does not depend on the step. A
+generator whose state moved between two guards is such a draw."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
+
+from peerstate.state.training_state import capture_rng
 
 
 class UnguardedCollectives:
@@ -52,3 +63,41 @@ class UnguardedCollectives:
             except Exception:  # noqa: BLE001 - a backend that keeps no count (fake): not watched
                 continue
         return counts
+
+
+class UnguardedDraws:
+    """``mark(epoch)`` at a step's clean end, ``cause(epoch, step)`` at the next guard:
+    the generators (Python's, NumPy's, torch's, CUDA's) whose state moved in between,
+    said once (then no longer captured: two captures a step, ~20 us, until then)."""
+
+    def __init__(self) -> None:
+        self._marked: Optional[Dict[str, Any]] = None
+        self._epoch: Optional[int] = None
+        self._said = False
+
+    def mark(self, epoch: int) -> None:
+        if not self._said:
+            self._marked, self._epoch = _fingerprints(), epoch
+
+    def cause(self, epoch: int, step: int) -> Optional[str]:
+        if self._said or self._marked is None or self._epoch != epoch:
+            return None  # nothing marked in this epoch: a recovery restored the states since
+        now = _fingerprints()
+        moved = [name for name, value in now.items() if name in self._marked and value != self._marked[name]]
+        if not moved:
+            return None
+        self._said = True
+        return (f"random numbers were drawn from {', '.join(moved)}'s global generator between the end of step "
+                f"{step - 1}'s guard and step {step}'s. A recovery rolls back to a step's end and runs on from the "
+                "next guard: a draw after a guard is not made again, and one before it only as it was if it does "
+                "not depend on the step, so a run that recovers would not be bitwise. Draw inside job.guard(), or "
+                "from a torch.Generator seeded by the step (docs/training-script.md).")
+
+
+def _fingerprints() -> Dict[str, Any]:
+    """Each global generator's state, in a form ``==`` compares (NumPy's key is an array)."""
+    state = capture_rng()
+    if "numpy" in state:
+        kind, key, position, has_gauss, cached = state["numpy"]
+        state["numpy"] = (kind, key.tobytes(), position, has_gauss, cached)
+    return state
