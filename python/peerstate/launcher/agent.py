@@ -208,7 +208,7 @@ class Agent:
                     failed.extend(self._exited(process, code))
             if failed:  # ranks lost in one pass are planned for together: one recovery, not one each
                 self.control.report([w for w, _, _ in failed], "; ".join(r for _, r, _ in failed),
-                             min(t for _, _, t in failed))
+                                    min(t for _, _, t in failed))
             self._dying = [popen for popen in self._dying if popen.poll() is None]
             self.faults.deliver(self.processes)
             now = time.monotonic()
