@@ -1,5 +1,7 @@
-"""The agent's early view of a dying worker (/proc), on real processes and real signals."""
+"""The agent's early view of a dying worker (/proc), on real processes and real signals,
+and the progress counters a killed agent left behind."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -7,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from peerstate.launcher.processes import ExitWatch
+from peerstate.launcher.processes import ExitWatch, remove_stale_counters
 from peerstate.tools.local import wait_until
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -83,3 +85,15 @@ def test_reaped_process():
     process = python("pass")
     process.wait()
     assert exit_in_progress(process) is None
+
+
+def test_the_counters_of_an_agent_killed_before_it_could_remove_them_are_removed(tmp_path):
+    dead = python("pass")
+    dead.wait()  # reaped: its pid names no process (an agent killed with SIGKILL)
+    stale = [tmp_path / f"peerstate-{dead.pid}-n0.{k}.progress" for k in range(2)]
+    live = tmp_path / f"peerstate-{os.getpid()}-n0.0.progress"  # another agent of this machine
+    other = tmp_path / "peerstate-notes.progress"  # not a counter's name
+    for path in (*stale, live, other):
+        path.write_bytes(b"\0" * 24)
+    assert remove_stale_counters(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])

@@ -43,7 +43,8 @@ from peerstate.launcher.inject import FaultInjector
 from peerstate.launcher.config import AgentConfig
 from peerstate.launcher.fault_delivery import FaultDelivery
 from peerstate.launcher.fork_server import ForkServer
-from peerstate.launcher.processes import WorkerProcess, describe_exit, die_with_parent, log_tail
+from peerstate.launcher.processes import (WorkerProcess, describe_exit, die_with_parent, log_tail,
+                                          remove_stale_counters)
 from peerstate.launcher.stopped_workers import StoppedWorkers
 from peerstate.launcher.store_connection import open_job_store
 
@@ -68,6 +69,7 @@ class Agent:
         self.processes: Dict[str, WorkerProcess] = {}
         self._next_index = config.nproc_per_node
         self._progress_dir = Path("/dev/shm" if os.path.isdir("/dev/shm") else self.log_dir)
+        remove_stale_counters(self._progress_dir)
         self._stopping = False
         # A bad --inject spec fails here, before anything starts.
         self.injector = FaultInjector(config.inject, world_size=self.world_size, nnodes=config.nnodes,

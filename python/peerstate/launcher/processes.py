@@ -156,3 +156,32 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def remove_stale_counters(directory: Path) -> int:
+    """Remove the progress counters (``peerstate-{agent pid}-{worker}.progress``) of
+    agents no longer alive: an agent killed with SIGKILL (its node lost, a test's
+    kill-node) cannot remove its own, and in /dev/shm they would stay until a reboot.
+    A live pid keeps its files (another agent on this machine, or a pid reused).
+    Returns how many were removed."""
+    removed = 0
+    for path in directory.glob("peerstate-*-*.progress"):
+        pid = path.name.split("-")[1]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass  # another agent removed it first
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
