@@ -167,6 +167,16 @@ def capture_rng() -> Dict[str, Any]:
     return state
 
 
+def rng_fingerprint() -> Dict[str, Any]:
+    """``capture_rng()`` in a form ``==`` compares (NumPy's key is an array), to see
+    whether a generator moved; cheaper than pickling it."""
+    state = capture_rng()
+    if "numpy" in state:
+        kind, key, position, has_gauss, cached = state["numpy"]
+        state["numpy"] = (kind, key.tobytes(), position, has_gauss, cached)
+    return state
+
+
 def restore_rng(state: Dict[str, Any]) -> None:
     """Set the RNG states that ``capture_rng`` returned."""
     import torch

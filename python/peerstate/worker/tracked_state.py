@@ -15,7 +15,7 @@ from peerstate.replication.placement import DataParallelShares, default_share_co
 from peerstate.state.buffers import ByteRange
 from peerstate.state.snapshot import SnapshotStore
 from peerstate.state.training_state import (capture_rng, check_optimizer_state, model_parts, optimizer_parts,
-                                            restore_rng, training_state)
+                                            restore_rng, rng_fingerprint, training_state)
 
 # Slots of a share this rank does not snapshot itself: where a recovery lands it.
 PULLED_SHARE_VERSIONS = 2
@@ -47,7 +47,7 @@ class TrackedState:
         # name -> an object with state_dict()/load_state_dict() (restored in place) or a plain
         # picklable value (captured from here at each snapshot, written back here on restore)
         self.extras: Dict[str, Any] = {}
-        self._restored_rng: Optional[Dict[str, bytes]] = None  # the RNG states a replacement's restore set
+        self._restored_rng: Optional[Dict[str, Any]] = None  # the RNG states a replacement's restore set
         self.data_parallel = False
         self.registered = False
 
@@ -200,7 +200,7 @@ class TrackedState:
 
     def remember_rng(self) -> None:
         """Note the RNG states a restore just set (see ``rng_changed``)."""
-        self._restored_rng = _pickled_rng()
+        self._restored_rng = rng_fingerprint()
 
     def rng_changed(self) -> bool:
         """Whether the RNG states moved since ``remember_rng`` (then forgets them): a
@@ -210,7 +210,7 @@ class TrackedState:
         restored, self._restored_rng = self._restored_rng, None
         if restored is None:
             return False
-        now = _pickled_rng()
+        now = rng_fingerprint()
         return any(now[name] != state for name, state in restored.items() if name in now)
 
     def clear_gradients(self) -> None:
@@ -253,8 +253,3 @@ class TrackedState:
 def _loads_in_place(value: Any) -> bool:
     """An extra restored through its own state_dict()/load_state_dict()."""
     return hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
-
-
-def _pickled_rng() -> Dict[str, bytes]:
-    """Each generator's state (``capture_rng``), pickled to compare."""
-    return {name: pickle.dumps(state) for name, state in capture_rng().items()}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from peerstate.state.training_state import capture_rng
+from peerstate.state.training_state import rng_fingerprint
 
 
 class UnguardedCollectives:
@@ -77,12 +77,12 @@ class UnguardedDraws:
 
     def mark(self, epoch: int) -> None:
         if not self._said:
-            self._marked, self._epoch = _fingerprints(), epoch
+            self._marked, self._epoch = rng_fingerprint(), epoch
 
     def cause(self, epoch: int, step: int) -> Optional[str]:
         if self._said or self._marked is None or self._epoch != epoch:
             return None  # nothing marked in this epoch: a recovery restored the states since
-        now = _fingerprints()
+        now = rng_fingerprint()
         moved = [name for name, value in now.items() if name in self._marked and value != self._marked[name]]
         if not moved:
             return None
@@ -92,12 +92,3 @@ class UnguardedDraws:
                 "next guard: a draw after a guard is not made again, and one before it only as it was if it does "
                 "not depend on the step, so a run that recovers would not be bitwise. Draw inside job.guard(), or "
                 "from a torch.Generator seeded by the step (docs/training-script.md).")
-
-
-def _fingerprints() -> Dict[str, Any]:
-    """Each global generator's state, in a form ``==`` compares (NumPy's key is an array)."""
-    state = capture_rng()
-    if "numpy" in state:
-        kind, key, position, has_gauss, cached = state["numpy"]
-        state["numpy"] = (kind, key.tobytes(), position, has_gauss, cached)
-    return state
