@@ -27,9 +27,9 @@ Epochs (one plan writer per epoch; each node's agent writes its node's entry)
     ``epoch/{e}/plan``              its RecoveryPlan (what changed: the replaced ranks)
     ``epoch/{e}/node/{n}/report``   node n's NodeReport: its members' MemberReports
     ``epoch/{e}/node/{n}/orders``   node n's NodeInstructions, written by the plan writer
-    ``epoch/{e}/ddp/{index}``       the DDP bucket layout survivors settled on (first survivor wins)
-    ``epoch/{e}/marks/{rank}``      a member's recovery timeline marks
-    ``epoch/{e}/marks_done``        counter of the members that published their marks
+    ``epoch/{e}/ddp/{index}``       the DDP bucket layout survivors settled on (one per node; the first wins)
+    ``epoch/{e}/node/{n}/marks``    node n's members' recovery timeline marks, forwarded by its agent
+    ``epoch/{e}/marks_done``        counter of the members whose marks were forwarded
     ``pg/{e}/...``                  torch's own keys of epoch e's process group (a PrefixStore)
 
 Per rank
@@ -43,6 +43,8 @@ workers: they never read the job's store for the recovery protocol)
     ``job/failed``                  the agent's copy of the job's failure, once its watch sees it
     ``epoch/{e}/report/{rank}``     a member's MemberReport, for its agent to gather
     ``epoch/{e}/orders/{n}``        the node's NodeInstructions, as the plan writer wrote them
+    ``epoch/{e}/marks/{rank}``      a member's recovery timeline marks, after its first step (the agent
+                                    forwards the node's together)
     ``stopped/{rank}``              "{pid}:{index address}" of the rank's hung worker, frozen for its replacement
     ``released/{pid}``              set by that replacement once it no longer reads it (then it is killed)
     ``findings``                    counter of what this node's workers found that is not bitwise
@@ -116,6 +118,10 @@ def ddp_layout(epoch: int, index: int) -> str:
 
 def recovery_marks(epoch: int, rank: int) -> str:
     return f"epoch/{epoch}/marks/{rank}"
+
+
+def node_marks(epoch: int, node: int) -> str:
+    return f"epoch/{epoch}/node/{node}/marks"
 
 
 def marks_done(epoch: int) -> str:

@@ -24,7 +24,7 @@ from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.leases import LeaseWatch
 from peerstate.control.node_relay import NodeRelay
 from peerstate.control.plan_writer import WRITER_MARGIN, InstructionWriter
-from peerstate.control.timeline import EventLog
+from peerstate.control.timeline import EventLog, RecoveryTimelines
 from peerstate.errors import JobFailedError
 
 
@@ -52,7 +52,8 @@ class NodeControl:
     reads at its next tick); ``on_fenced()`` when this node was declared lost while
     it lives (its agent must stop its workers); ``say(message)`` for what an
     operator should read (default: the console). ``events`` (optional) gets
-    ``failure_detected`` and ``plan``."""
+    ``failure_detected``, ``plan`` and, from the node that assembles it, each
+    recovery's ``recovery`` timeline."""
 
     def __init__(self, kv: KeyValueStore, node: int, nnodes: int, nproc_per_node: int, *, join_timeout: float,
                  lease_timeout: float, spare_timeout: float, events: Optional[EventLog] = None,
@@ -124,9 +125,11 @@ class NodeControl:
         connection of its own; again after ``stop_relay`` (an agent that stalled and
         came back: the same relay, where it left off)."""
         if self.relay is None:
+            timelines = RecoveryTimelines(self._relay_kv, lambda epoch: self._relay_coordinator.plan(epoch).__dict__,
+                                          self.nnodes, self.world_size, self.events, self._say)
             self.relay = NodeRelay(self._relay_kv, channel, self._relay_coordinator, self.writer, self.node,
                                    self.name, self.join_timeout, self.on_failure, self._on_fenced,
-                                   self.lease_timeout)
+                                   self.lease_timeout, timelines)
         self._relay_stop = threading.Event()
         self._relay_thread = threading.Thread(target=self.relay.run, args=(self._relay_stop,),
                                               name=f"peerstate-relay-{self.node}", daemon=True)

@@ -11,7 +11,10 @@ For each epoch, in order:
    the epoch over and write them;
 4. read this node's ``NodeInstructions`` once and put them in the channel as
    they are: each member expands its own part (``planning.expand``, with the
-   reports of its node's members, which are in the channel already).
+   reports of its node's members, which are in the channel already);
+5. after a recovery's epoch, once every member of the node has put its
+   timeline marks in the channel (after its first step), publish them as one
+   entry (``RecoveryTimelines``), unless a newer epoch came first.
 
 Per node and epoch that is a handful of requests to the job's store whatever
 the job's size; the members' own traffic stays on the node. Every wait also
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
@@ -31,9 +34,11 @@ from peerstate.control.kvstore import KeyValueStore, store_gone
 from peerstate.control.messages import NodeReport, RecoveryPlan
 from peerstate.control.plan_writer import InstructionWriter
 from peerstate.control.planning import node_of_worker
+from peerstate.control.timeline import RecoveryTimelines
 from peerstate.errors import JobFailedError
 
 POLL_SECONDS = 0.25  # how often a wait on the node's members looks for a newer epoch
+PLAN_WAIT_SECONDS = 1.0  # the wait for the next plan (each one also forwards the members' marks when due)
 
 
 class NodeRelay:
@@ -50,11 +55,14 @@ class NodeRelay:
     timeout, since a lost node is declared a lease timeout after it stops. A newer
     epoch needs no looking: its plan's writer marks this one moot in every node's
     instructions key (``Coordinator._retire``).
+
+    ``timelines`` (optional) publishes the members' marks of each recovery (step 5).
     """
 
     def __init__(self, kv: KeyValueStore, channel: KeyValueStore, coordinator: Coordinator, writer: InstructionWriter,
                  node: int, me: str, report_timeout: float, on_failure: Callable[[str], None],
-                 on_fenced: Callable[[], None], takeover_poll: float) -> None:
+                 on_fenced: Callable[[], None], takeover_poll: float,
+                 timelines: Optional[RecoveryTimelines] = None) -> None:
         self._kv = kv
         self._channel = channel
         self._coordinator = coordinator
@@ -69,6 +77,8 @@ class NodeRelay:
         self._stopping = threading.Event()  # run()'s stop
         self._local: Optional[Dict[int, str]] = None  # rank -> worker of this node's members, as of the last plan
         self._fenced = False  # some of this node's ranks went to other nodes in the last plan
+        self._timelines = timelines
+        self._marks_due: Optional[Tuple[int, List[int]]] = None  # (epoch, the node's members) for step 5
 
     def run(self, stop: threading.Event) -> None:
         """Relay epochs until ``stop``; a JobFailedError (an owner that neither wrote
@@ -77,8 +87,9 @@ class NodeRelay:
         try:
             while not stop.is_set():
                 plan = self._next_plan(stop)
-                if plan is not None:
-                    self.relay(plan)
+                if plan is not None and self.relay(plan) and plan.epoch > 0 and self._timelines and self._local:
+                    self._marks_due = (plan.epoch, sorted(self._local))
+            self._forward_marks()  # the job's end: members that ran their first step have marked it
         except JobFailedError as error:
             self._on_failure(str(error))
         except Exception as error:  # noqa: BLE001 - said by the agent, or here
@@ -90,8 +101,9 @@ class NodeRelay:
     def _next_plan(self, stop: threading.Event) -> Optional[RecoveryPlan]:
         """The newest plan once there is one newer than the last relayed, each plan
         in between copied into the channel first (watchers wait on them in order)."""
+        self._forward_marks()  # within a plan wait of the last member's marks: no request of its own
         try:
-            self._kv.wait([keys.epoch_plan(self._mirrored + 1)], timeout=1.0)
+            self._kv.wait([keys.epoch_plan(self._mirrored + 1)], timeout=PLAN_WAIT_SECONDS)
         except TimeoutError:
             return None
         # Not past the plan waited for: a newer one, if any, is the next wait's (and it marks this one
@@ -99,6 +111,7 @@ class NodeRelay:
         plans = self._coordinator.new_plans(known=self._mirrored + 1, upto=self._mirrored + 1)
         if not plans:
             return None
+        self._marks_due = None  # a newer epoch: the last one's recovery never completed
         if self._local is None:
             nproc = self._coordinator.shape()["nproc_per_node"]
             self._local = {self.node * nproc + k: f"n{self.node}.{k}" for k in range(nproc)}
@@ -112,6 +125,17 @@ class NodeRelay:
         self._channel.set_many([(keys.epoch_plan(p.epoch), p.encode()) for p in plans])
         self._mirrored = plans[-1].epoch
         return plans[-1] if not stop.is_set() else None
+
+    def _forward_marks(self) -> None:
+        """Step 5, once every member's marks are in the channel (a check, until then)."""
+        if self._marks_due is None:
+            return
+        epoch, ranks = self._marks_due
+        marks = self._channel.get_many([keys.recovery_marks(epoch, r) for r in ranks])
+        if any(raw is None for raw in marks):
+            return
+        self._marks_due = None
+        self._timelines.publish(epoch, self.node, dict(zip(ranks, marks)))
 
     def _newer(self, epoch: int) -> bool:
         """Whether epoch ``epoch`` is moot: a newer one began, or the relay is stopping."""

@@ -187,7 +187,7 @@ class Job:
                                                          checkpoint_dir or env.checkpoint_dir,
                                                          checkpoint_every or env.checkpoint_every,
                                                          self.coordinator.fail_job)
-        self.report = RecoveryReport(self.kv, self.coordinator, self.events, env.events, env.world_size)
+        self.report = RecoveryReport(self.kv, self.channel, self.events, env.world_size)
         self.boundary = StepBoundary(self.membership, self.tracked, self.kv, self.placement, checkpoints, self.report,
                                      self.progress, snapshot_every, join_timeout)
         # The same script without the capture, for the benchmarks' baselines (no failure is survivable).

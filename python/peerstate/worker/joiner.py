@@ -119,7 +119,7 @@ class EpochJoiner:
         needs_state = membership.begin_join()
         if plan.epoch > 0:
             self.report.recovery_began()
-            self.wrappers.release(plan.epoch, publish=not needs_state)
+            self.wrappers.release()
             self.groups.destroy()
             with membership.lock:  # see AbortHandler
                 self.replication.reset()
@@ -129,9 +129,11 @@ class EpochJoiner:
                 self.report.mark("abort")
         membership.epoch = plan.epoch
         stopped, share = self._adopt_stopped(rank) if needs_state and plan.epoch > 0 else ([], [])
-        orders = self._report_and_wait(plan.epoch, needs_state, stopped, share)
+        orders, kept_state = self._report_and_wait(plan.epoch, needs_state, stopped, share)
         restore = None
         if plan.epoch > 0:
+            if not needs_state:  # for the replacements, once per node (they read it after their restore)
+                self.wrappers.publish_layouts(plan.epoch, rank, kept_state)
             restore = self._plan(plan, orders.restore)
             # Steps completed after the recovery point run again; the first is the recovery's own.
             self.report.replayed_steps += max(0, self.next_step - restore.version - 2)
@@ -250,9 +252,10 @@ class EpochJoiner:
             self.channel.set(keys.stopped_holder_released(holder.pid), b"1")
 
     def _report_and_wait(self, epoch: int, needs_state: bool, stopped: List[int],
-                         adopted_share: List[int]) -> MemberInstructions:
+                         adopted_share: List[int]) -> Tuple[MemberInstructions, List[int]]:
         """Hand this member's report to its agent (the node channel) and wait for its
-        instructions; point the transport at the peers they name."""
+        instructions; point the transport at the peers they name. Returns them, and the
+        ranks of this node's members that kept their state."""
         rank = self.membership.rank
         local = self.tracked.local_versions(rank)
         share = self.tracked.own_share(rank)
@@ -278,7 +281,7 @@ class EpochJoiner:
         reports = {r: MemberReport.decode(raw) for r, raw in zip(node_orders.members, self.channel.get_existing(names))}
         orders = expand(node_orders, reports, [rank])[rank]
         self.replication.connect(orders.addresses)
-        return orders
+        return orders, [r for r, report in reports.items() if not report.needs_state]
 
     def _plan(self, plan: RecoveryPlan, restore: RestorePlan) -> RestorePlan:
         """Act on this member's restore plan: a loss (the plan writer already stopped

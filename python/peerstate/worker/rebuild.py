@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
@@ -306,21 +306,34 @@ class DistributedWrappers:
         index = len(self.ddps)
         layout = self.saved_layouts[index] if index < len(self.saved_layouts) else None
         if replacement and layout is None:
-            key = keys.ddp_layout(epoch, len(self.ddps))
-            self._kv.wait([key], timeout=timeout)
-            layout = json.loads(self._kv.get(key))
+            layout = self.published_layout(epoch, index, timeout)
         wrapper = new_rebuildable_ddp(model, init_sync=epoch == 0, options=options, layout=layout)
         self.ddps.append(wrapper)
         return wrapper
 
-    def release(self, epoch: int, publish: bool) -> None:
-        """Drop every DDP of the aborted group; with ``publish`` (a member that kept
-        its state), publish their layouts for epoch ``epoch``'s replacements."""
+    def published_layout(self, epoch: int, index: int, timeout: float) -> List[List[int]]:
+        """The bucket layout of DDP number ``index`` that epoch ``epoch``'s survivors
+        published (``release``); blocks until one did, up to ``timeout`` (then TimeoutError).
+        Two requests to the job's store: a wait and a read."""
+        key = keys.ddp_layout(epoch, index)
+        self._kv.wait([key], timeout=timeout)
+        return json.loads(self._kv.get(key))
+
+    def release(self) -> None:
+        """Drop every DDP of the aborted group (their layouts stay, for ``publish_layouts``)."""
         for wrapper in self.ddps:
             wrapper.release()
-        if publish:
-            for index, wrapper in enumerate(self.ddps):
-                self._kv.compare_set(keys.ddp_layout(epoch, index), b"", json.dumps(wrapper.bucket_layout()).encode())
+
+    def publish_layouts(self, epoch: int, rank: int, kept_state: Iterable[int]) -> bool:
+        """Publish every DDP's bucket layout for epoch ``epoch``'s replacements, if ``rank``
+        is the lowest of ``kept_state``, the members of its node that kept their state:
+        one request per node (DDP agrees on one layout across ranks; the first node's
+        stands). True when this rank published."""
+        if not self.ddps or rank != min(kept_state, default=None):
+            return False
+        for index, wrapper in enumerate(self.ddps):
+            self._kv.compare_set(keys.ddp_layout(epoch, index), b"", json.dumps(wrapper.bucket_layout()).encode())
+        return True
 
     def abort(self, new_epoch: int) -> None:
         """Fail the bucket reductions every DDP waits for (an AbortHandler step)."""

@@ -1,31 +1,27 @@
 """The recovery report: each recovery's timeline (its phases, marked by every
-member and assembled by the last one to publish), and the job's goodput."""
+member, forwarded by its agent and assembled by the agent that completes them:
+``control.timeline.RecoveryTimelines``), and the job's goodput."""
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
 from peerstate.control import keys
-from peerstate.control.coordinator import Coordinator
 from peerstate.control.kvstore import KeyValueStore
-from peerstate.control.messages import RecoveryPlan
-from peerstate.control.timeline import EventLog, read_events, recovery_timeline
+from peerstate.control.timeline import EventLog
 
 
 class RecoveryReport:
     """Marks the phases of this member's recoveries and times its steps."""
 
-    def __init__(self, kv: KeyValueStore, coordinator: Coordinator, events: EventLog, events_path: Optional[str],
-                 world_size: int) -> None:
+    def __init__(self, kv: KeyValueStore, channel: KeyValueStore, events: EventLog, world_size: int) -> None:
         self._kv = kv
-        self._coordinator = coordinator
+        self._channel = channel  # the node channel: the marks go to the agent
         self.events = events
-        self._events_path = events_path
         self._world_size = world_size
         self.marks: Dict[str, float] = {}
         self.first_step_after: Optional[int] = None  # the step whose end closes the current recovery
@@ -61,27 +57,12 @@ class RecoveryReport:
         if self.pulled is not None:
             self.events.write("pulled", **self.pulled)
             self.pulled = None
-        self._kv.set(keys.recovery_marks(epoch, rank), json.dumps(self.marks).encode())
-        last = self._kv.add(keys.marks_done(epoch), 1) == self._world_size
-        if last:
-            self._assemble(epoch, version)
+        entry = {"marks": self.marks, "version": version}
+        self._channel.set(keys.recovery_marks(epoch, rank), json.dumps(entry).encode())
         if self._requests_at is not None:
-            self.events.write("store_requests", epoch=epoch, rank=rank, assembled=last,
-                              job_store=self._kv.count.requests - self._requests_at)
+            self.events.write("store_requests", epoch=epoch, rank=rank, job_store=self._kv.count.requests -
+                              self._requests_at)
             self._requests_at = None
-
-    def _assemble(self, epoch: int, version: int) -> None:
-        """The last member to publish its marks: the recovery's timeline, from everyone's."""
-        plan = self._coordinator.plan(epoch)
-        raw = self._kv.get_many([keys.recovery_marks(epoch, r) for r in range(self._world_size)])
-        marks = {r: json.loads(m) for r, m in enumerate(raw) if m}
-        fault = _fault_time(self._events_path, plan)
-        timeline = recovery_timeline(plan.__dict__, marks.values(), fault)
-        self.events.write("recovery", **timeline, marks=marks, version=version)
-        self._kv.set(keys.recovery_seconds(epoch), str(timeline["total_s"]).encode())
-        phases = ", ".join(f"{k} {v:.3f}s" for k, v in timeline["phases_s"].items() if v is not None)
-        print(f"peerstate: recovered epoch {epoch} (ranks {plan.failed}) in {timeline['total_s']:.2f}s "
-              f"from {timeline['from']}: {phases}", file=sys.stderr, flush=True)
 
     def finish(self, total: int, epochs: int) -> None:
         """This rank finished the loop; the last rank to finish reports the job.
@@ -107,11 +88,3 @@ class RecoveryReport:
               f"{goodput:.1%} ({lost:.2f}s lost to failures: {sum(recovered):.2f}s recovering, "
               f"{self.replayed_steps} steps replayed)", file=sys.stderr, flush=True)
 
-
-def _fault_time(events_path: Optional[str], plan: RecoveryPlan) -> Optional[float]:
-    """When the fault this plan answers was injected, if the injector logged it."""
-    if not events_path or not os.path.exists(events_path):
-        return None
-    faults = [e["time"] for e in read_events(events_path)
-              if e["event"] == "fault_injected" and plan.detected_at - 60 < e["time"] <= plan.detected_at]
-    return max(faults) if faults else None

@@ -37,9 +37,10 @@ def release_freed_memory() -> None:
         _malloc_trim(0)
 
 
-def publish_size(kv: KeyValueStore, rank: int, tracked: TrackedState) -> None:
-    """Publish the bytes of one version of this rank's own state, for its holders."""
-    kv.set(keys.replica_bytes(rank), str(tracked.own.memory()["bytes_per_version"]).encode())
+def publish_size(kv: KeyValueStore, rank: int, bytes_per_version: int) -> None:
+    """Publish the bytes of one version of this rank's own state, for its holders
+    (one request, at a rank's first boundary)."""
+    kv.set(keys.replica_bytes(rank), str(bytes_per_version).encode())
 
 
 def reserve_replicas(kv: KeyValueStore, replication: Replication, placement: BuddyPlacement, rank: int,
@@ -125,7 +126,7 @@ class StepBoundary:
         this rank holds (at the first boundary, or before a resume loads into it)."""
         self.tracked.register(self.rank)
         self.replication_serves_shares()
-        publish_size(self._kv, self.rank, self.tracked)
+        publish_size(self._kv, self.rank, self.tracked.own.memory()["bytes_per_version"])
         self._reserve_replicas()
 
     def _reserve_replicas(self) -> None:
