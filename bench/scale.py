@@ -1,47 +1,54 @@
-"""Scale benchmark: the control plane's share of a recovery at 256 to 16,384 ranks.
+"""Scale benchmark: a recovery's control plane and rendezvous at 256 to 16,384 ranks.
 
 For each size N (nodes of 8 ranks, one spare each, the default data-parallel
-layout: 8 shares, a buddy on the next node), in the same run:
+layout: 8 shares, a buddy on the next node; one DDP wrapper), in the same run:
 
-- ours: N/8 simulated agents (``peerstate.tools.simulation``) run the agent's
-  own control code (``NodeControl``: its relay, instruction writer,
-  coordinator, watch tick and lease checks) over one real TCPStore,
-  each with its own connections, multiplexed on threads in ``--processes``
-  processes, by default one per 128 nodes, 2 to 16 (on these 2 cores one
-  interpreter lock shared by a thousand simulated agents made 16,384 ranks
-  10 s with 2 processes, 5.7 s with 4, 3.4 s with 16; at 1,024 ranks 16
-  processes made both protocols slower than 2 did), plus one for the plan
-  writer's node alone (``_writer_apart``: an agent has a process of its own on
-  a job). The baseline runs in as many processes as the rest of ours. One
-  rank is failed: its node's agent writes the plan (as the
-  agent that reaped the worker does), every node reports once, the plan
-  writer computes every rank's instructions and writes one entry per node,
-  every agent hands its members theirs. Measured: failure reported -> the
-  last member holding its instructions, and the store requests and bytes of
-  that recovery (every client counts its own).
-- baseline: the protocol before it (the all-to-all of ``EpochJoiner`` up to
-  commit be51987): every member waits for and reads a plan that lists all N
-  members, publishes its report, waits for and reads all N reports. Its N
-  members run on threads over the same store; they make exactly those
-  requests (they do not decode what they read, which only favours the
-  baseline).
+- ours: N/8 simulated nodes (``peerstate.tools.simulation``). Each runs the
+  agent's own control code (``NodeControl``: its relay, instruction writer,
+  coordinator, watch tick and lease checks) and its 8 workers' requests to the
+  job's store with the worker's own code (``SimulatedMembers``: DDP layouts,
+  replica sizes, recovery marks through the node channel), and each worker
+  makes the requests torch's ProcessGroupNCCL makes to form the epoch's
+  communicator (``NcclRendezvous``: the unique ids, with torch's TCPStore
+  client). One real TCPStore; every node has its own connections; the nodes
+  are multiplexed on threads in ``--processes`` processes, by default one per
+  128 nodes, 2 to 16, plus one for the plan writer's node alone
+  (``_writer_apart``). One rank is failed: its node's agent writes the plan,
+  every node reports once, the plan writer writes one entry per node, every
+  agent hands its members theirs, the members form the group, the
+  replacement reads the DDP layout and its replica sizes, and every member's
+  first step ends, which sends its marks to its agent. Measured: failure
+  reported -> every worker holding its instructions (``instr_s``) and its
+  group's unique ids (``ours_s``); the store requests and bytes of the whole
+  recovery by client kind (agents, workers, rendezvous: every client counts
+  its own); the store's busiest second (requests in any one-second window).
+- baseline: the protocol before the node agents (the all-to-all of
+  ``EpochJoiner`` up to commit be51987): every member waits for and reads a
+  plan that lists all N members, publishes its report, waits for and reads all
+  N reports, then forms the group as ours do. Its N members run on threads
+  over the same store.
 - steady state: the store requests per second of leases and watchers, from
   real agent ticks (ours: ring window; baseline: every other node's lease,
-  dead and done keys each tick, plus a worker's watcher wait each second).
+  dead and done keys each tick, plus a worker's watcher wait each second). A
+  worker makes no request to the job's store between recoveries (its watcher
+  waits on the node channel).
 
-Modelled, not measured: the node channel (in-process, instantaneous), the
-workers' abort and restore, and torch's process-group rendezvous. The
-workers' own requests to the job's store in a recovery (a handful per rank,
-after their instructions: docs/recovery.md) are not made here yet.
+Modelled, not measured: the node channel (in-process, instantaneous); a
+node's 8 workers share one connection and take turns on a thread; the
+workers' abort, restore and step (a step ends at once); NCCL's own
+communicator initialisation (``tools/goodput``: modelled, with its sources);
+gloo's rendezvous (every rank reads every other rank's address: O(N^2) by
+design, for CPU jobs, not simulated here).
 
 With ``--etcd``, ours also runs over a 1-member etcd on loopback (the same
-simulated agents, the store an ``EtcdKeyValueStore`` each): the ``etcd_s``
+simulated nodes, the store an ``EtcdKeyValueStore`` each): the ``etcd_s``
 column, and its ratio to the TCPStore's in the same run.
 
 Run: python bench/scale.py [--quick] [--sizes 256,1024] [--baseline-max 4096] [--etcd]
 Writes bench/results/scale.json (scale_etcd.json with --etcd): rows with ranks,
-ours_s, baseline_s, speedup, store_requests, store_bytes, steady_requests_per_s
-(and the baseline's; etcd_s and etcd_vs_tcpstore).
+ours_s, instructions_s, baseline_s, speedup, store_requests (and by kind),
+store_bytes, busiest_second_requests, steady_requests_per_s (and the
+baseline's; etcd_s and etcd_vs_tcpstore).
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ NPROC = 8
 WATCH_SECONDS = 0.1   # launcher.agent.WATCH_SECONDS: one store tick per agent
 RELAY_WAIT_SECONDS = 1.0  # NodeRelay's idle wait for the next plan
 OLD_WATCHER_SECONDS = 1.0  # the old per-worker watcher's wait on the job's store
+KINDS = ("agents", "workers", "rendezvous")  # the job store's clients, counted apart
+SAMPLE_SECONDS = 0.05
 
 
 def _store(address: str, host_store: bool = False):
@@ -88,16 +97,21 @@ def _new_store(etcd) -> tuple:
 
 # -- a member process: simulated agents (ours) ---------------------------------------------------
 def run_agents(args) -> None:
-    from peerstate.tools.simulation import SimulatedNode, served_by
+    from peerstate.control import keys
+    from peerstate.tools.simulation import SimulatedNode, buddy_placement, served_by
 
     world = args.nnodes * NPROC
-    served = served_by(world, NPROC, 1)
+    placement = buddy_placement(world, NPROC, 1)
+    served = served_by(world, NPROC, 1, placement)
     with ThreadPoolExecutor(64) as pool:  # a TCPStore client now and then takes seconds to connect: overlap them
-        nodes = list(pool.map(lambda n: SimulatedNode(args.store, n, args.nnodes, NPROC, served, report_timeout=600.0),
+        nodes = list(pool.map(lambda n: SimulatedNode(args.store, n, args.nnodes, NPROC, served, report_timeout=600.0,
+                                                      placement=placement),
                               range(args.first, args.last)))
     for node in nodes:
         node.connect()
     kv = _store(args.store)
+    # Every rank published its replica size at its first step (steady state, before the measured recovery).
+    kv.set_many([(keys.replica_bytes(r), str(1 << 30).encode()) for r in range(args.first * NPROC, args.last * NPROC)])
     kv.add("sim/connected", 1)  # every node connected (a job's agents start together) before any relays
     while kv.add("sim/connected", 0) < args.processes:
         time.sleep(0.05)
@@ -108,15 +122,29 @@ def run_agents(args) -> None:
             node.channel.wait_delivered(0, 300.0)
         except TimeoutError as error:
             raise RuntimeError(f"{error}; {_setup_state(kv, args.nnodes, nodes)}") from None
+    members = [threading.Thread(target=node.members.run, args=(1, 100), daemon=True) for node in nodes]
+    for thread in members:
+        thread.start()
     before, before_at = _counts(nodes), time.time()
     # One process holds the long-lived objects of a hundred agents (connections, threads, relays), which
     # every cyclic collection the recovery's allocations trigger would scan again: an artefact of packing
     # agents into a process (an agent's own process holds one node's). Freeze them, as gc.freeze is for.
     gc.freeze()
+    sampler = _Sampler(nodes)
     cpu_before = time.process_time()
     kv.add("sim/ready", 1)
     delivered = [node.channel.wait_delivered(1, 300.0) for node in nodes]
-    cpu = time.process_time() - cpu_before  # this process's relays (every thread) through the recovery
+    for thread in members:
+        thread.join(300.0)
+    deadline = time.monotonic() + 120.0  # every agent forwarded its members' marks, the last assembled them
+    while kv.get(keys.recovery_seconds(1)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cpu = time.process_time() - cpu_before  # this process's relays and members (every thread) through the recovery
+    samples = sampler.stop()
+    ready = [node.members.ready.get(1) for node in nodes]
+    if None in ready:
+        raise RuntimeError(f"nodes {[n.node for n, r in zip(nodes, ready) if r is None][:10]} did not form epoch 1's "
+                           "group")
     after = _counts(nodes)
     writers = [node.writer for node in nodes if node.writer.last_times.get("published", 0) > before_at]
     compute = writers[0].last_compute_s if writers else 0.0
@@ -125,16 +153,42 @@ def run_agents(args) -> None:
         node.stop(wait=False)  # each relay leaves its wait within a second: all at once, not one after another
     for node in nodes:
         node.stop()
-    ticks, start = 3, _counts(nodes)["requests"]
+    ticks, start = 3, _counts(nodes)["agents"]
     for round_ in range(ticks):
         for node in nodes:
             node.tick(100.0 + round_ * WATCH_SECONDS)
-    per_tick = (_counts(nodes)["requests"] - start) / (ticks * len(nodes))
+    per_tick = (_counts(nodes)["agents"] - start) / (ticks * len(nodes))
     kv.set(f"sim/result/{args.index}", json.dumps({
-        "last_delivery": max(delivered), "requests": after["requests"] - before["requests"],
-        "bytes": after["bytes"] - before["bytes"], "compute_s": compute, "writer_times": writer_times,
+        "last_delivery": max(delivered), "last_ready": max(ready),
+        "requests": {kind: after[kind] - before[kind] for kind in KINDS},
+        "bytes": {kind: after[kind + "_bytes"] - before[kind + "_bytes"] for kind in KINDS},
+        "compute_s": compute, "writer_times": writer_times, "samples": samples,
         "first_delivery": min(delivered), "requests_per_tick": per_tick, "cpu_s": cpu,
         "failures": [f for node in nodes for f in node.failures]}).encode())
+
+
+class _Sampler:
+    """This process's store requests by client kind, summed every ``SAMPLE_SECONDS``
+    (for the store's busiest second: the orchestrator adds every process's up)."""
+
+    def __init__(self, nodes) -> None:
+        self._nodes, self.samples, self._stop = nodes, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            counts = _counts(self._nodes)
+            self.samples.append([time.time(), *(counts[kind] for kind in KINDS)])
+            if self._stop.wait(SAMPLE_SECONDS):
+                counts = _counts(self._nodes)
+                self.samples.append([time.time(), *(counts[kind] for kind in KINDS)])
+                return
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
 
 
 def _setup_state(kv, nnodes: int, nodes) -> str:
@@ -152,13 +206,20 @@ def _setup_state(kv, nnodes: int, nodes) -> str:
 
 
 def _counts(nodes) -> Dict[str, int]:
-    counts = [node.kv.count for node in nodes]  # a node's relay connection counts into the same one
-    return {"requests": sum(c.requests for c in counts), "bytes": sum(c.bytes_sent + c.bytes_received for c in counts)}
+    """Requests and bytes of this process's clients of the job's store, by kind: the agents
+    (a node's relay connection counts into its agent's), the workers, the rendezvous."""
+    clients = {"agents": [n.kv.count for n in nodes], "workers": [n.members.kv.count for n in nodes],
+               "rendezvous": [n.members.rendezvous.count for n in nodes]}
+    counts: Dict[str, int] = {}
+    for kind, each in clients.items():
+        counts[kind] = sum(c.requests for c in each)
+        counts[kind + "_bytes"] = sum(c.bytes_sent + c.bytes_received for c in each)
+    return counts
 
 
 # -- a member process: the old all-to-all protocol (baseline) -------------------------------------
 def run_old_members(args) -> None:
-    from peerstate.tools.simulation import SimulatedChannel, served_by
+    from peerstate.tools.simulation import NcclRendezvous, SimulatedChannel, served_by
 
     world = args.nnodes * NPROC
     served = served_by(world, NPROC, 1)
@@ -166,6 +227,7 @@ def run_old_members(args) -> None:
     threads = 16
     with ThreadPoolExecutor(threads) as pool:
         stores = list(pool.map(lambda _: _store(args.store), range(threads)))
+    rendezvous = [NcclRendezvous(kv.rendezvous_store()) for kv in stores]
     reports = {r: SimulatedChannel(r // NPROC, NPROC, served, 100).report(r, f"n{r // NPROC}.{r % NPROC}").encode()
                for r in ranks}
     names = [f"epoch/1/report/{r}" for r in range(world)]
@@ -183,6 +245,10 @@ def run_old_members(args) -> None:
         for rank in mine:  # then waits for and reads every member's report
             kv.wait(names, timeout=300.0)
             kv.get_many(names)
+        for rank in mine:  # and forms the epoch's group, as ours does
+            rendezvous[index].announce(1, rank, world, 300.0)
+        for rank in mine:
+            rendezvous[index].join(1, rank, world, 300.0)
         with lock:
             done.append(time.time())
 
@@ -191,8 +257,8 @@ def run_old_members(args) -> None:
         thread.start()
     for thread in workers:
         thread.join()
-    total = {"requests": sum(s.count.requests for s in stores),
-             "bytes": sum(s.count.bytes_sent + s.count.bytes_received for s in stores)}
+    counts = [s.count for s in stores] + [r.count for r in rendezvous]
+    total = {"requests": sum(c.requests for c in counts), "bytes": sum(c.bytes_sent + c.bytes_received for c in counts)}
     stores[0].set(f"sim/result/{args.index}", json.dumps({"last_delivery": max(done), **total}).encode())
 
 
@@ -264,21 +330,47 @@ def measure_ours(nnodes: int, processes: int, etcd=None) -> dict:
     problems = [f for r in results for f in r["failures"]]
     if problems:
         raise RuntimeError(f"the simulated recovery failed: {problems[:3]}")
-    requests = sum(r["requests"] for r in results) + reporter.kv.count.requests - before[0]
-    store_bytes = sum(r["bytes"] for r in results) + (reporter.kv.count.bytes_sent +
-                                                      reporter.kv.count.bytes_received - before[1])
+    requests = {kind: sum(r["requests"][kind] for r in results) for kind in KINDS}
+    requests["agents"] += reporter.kv.count.requests - before[0]
+    store_bytes = {kind: sum(r["bytes"][kind] for r in results) for kind in KINDS}
+    store_bytes["agents"] += reporter.kv.count.bytes_sent + reporter.kv.count.bytes_received - before[1]
     per_tick = sum(r["requests_per_tick"] for r in results) / len(results)
     times = next(r["writer_times"] for r in results if r["writer_times"])
     phases = {"plan written": reporter_done - failed_at,
               **{f"writer {k}": v - failed_at for k, v in times.items()},
-              "first node holds its instructions": min(r["first_delivery"] for r in results) - failed_at}
+              "first node holds its instructions": min(r["first_delivery"] for r in results) - failed_at,
+              "every node holds its instructions": max(r["last_delivery"] for r in results) - failed_at}
     agents_cpu = sum(r["cpu_s"] for r in results)
     print("   " + ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()) +
-          f"; CPU: agents {agents_cpu:.2f}s, store {store_cpu:.2f}s", flush=True)
-    return {"seconds": max(r["last_delivery"] for r in results) - failed_at, "requests": requests,
-            "agents_cpu_s": agents_cpu, "store_cpu_s": store_cpu,
+          f"; CPU: agents and workers {agents_cpu:.2f}s, store {store_cpu:.2f}s", flush=True)
+    return {"seconds": max(r["last_ready"] for r in results) - failed_at, "requests": requests,
+            "agents_cpu_s": agents_cpu, "store_cpu_s": store_cpu, "busiest_second": _busiest_second(results),
             "bytes": store_bytes, "compute_s": max(r["compute_s"] for r in results), "phases": phases,
             "steady_per_node_s": per_tick / WATCH_SECONDS + 1 / RELAY_WAIT_SECONDS}
+
+
+def _busiest_second(results: List[dict]) -> Dict[str, int]:
+    """The store's busiest second of the recovery: the most requests (of every process's
+    clients, by kind) in any one-second window, from each process's samples."""
+    series = [r["samples"] for r in results]
+    grid = sorted({round(t / SAMPLE_SECONDS) for s in series for t, *_ in s})
+
+    def total_at(step: int) -> List[int]:  # every process's counts at the last sample up to this step
+        sums = [0] * len(KINDS)
+        for samples in series:
+            last = next((row for row in reversed(samples) if round(row[0] / SAMPLE_SECONDS) <= step), samples[0])
+            sums = [a + b for a, b in zip(sums, last[1:])]
+        return sums
+
+    totals = {step: total_at(step) for step in grid}
+    window = round(1.0 / SAMPLE_SECONDS)
+    best = [0] * len(KINDS)
+    for step in grid:
+        end = totals[max(s for s in grid if s <= step + window)]
+        counts = [b - a for a, b in zip(totals[step], end)]
+        if sum(counts) > sum(best):
+            best = counts
+    return dict(zip(KINDS, best))
 
 
 def measure_baseline(nnodes: int, processes: int) -> dict:
@@ -352,23 +444,28 @@ def main() -> None:
 
 def _measure(args, sizes: List[int], baseline_max: int, etcd) -> None:
     rows = []
-    print(f"{'ranks':>6} {'nodes':>5} {'ours_s':>8} {'baseline_s':>10} {'speedup':>8} {'req/rank':>8} "
-          f"{'store_MB':>8} {'base_req/rank':>13} {'base_MB':>8} {'steady/node/s':>13} {'base_steady/node/s':>18}",
-          flush=True)
+    print(f"{'ranks':>6} {'nodes':>5} {'ours_s':>7} {'instr_s':>7} {'base_s':>7} {'speedup':>7} {'req/rank':>8} "
+          f"{'agents':>6} {'workers':>7} {'rdzv':>5} {'store_MB':>8} {'busiest/s':>9} {'base_req/rank':>13} "
+          f"{'steady/node/s':>13} {'base_steady/node/s':>18}", flush=True)
     for ranks in sizes:
         nnodes = ranks // NPROC
         processes = args.processes or min(16, max(2, nnodes // 128))
         ours = measure_ours(nnodes, processes)
         over_etcd = measure_ours(nnodes, processes, etcd) if etcd else None
         base = measure_baseline(nnodes, processes) if ranks <= baseline_max else None
+        total = sum(ours["requests"].values())
         row = {"ranks": ranks, "nodes": nnodes, "ours_s": round(ours["seconds"], 4),
+               "instructions_s": round(ours["phases"]["every node holds its instructions"], 4),
                "plan_compute_s": round(ours["compute_s"], 4),
                "agents_cpu_s": round(ours["agents_cpu_s"], 3), "store_cpu_s": round(ours["store_cpu_s"], 3),
                "phases_s": {k: round(v, 4) for k, v in ours["phases"].items()},
                "baseline_s": round(base["seconds"], 4) if base else None,
                "speedup": round(base["seconds"] / ours["seconds"], 1) if base else None,
-               "store_requests": ours["requests"], "store_requests_per_rank": round(ours["requests"] / ranks, 2),
-               "store_bytes": ours["bytes"],
+               "store_requests": total, "store_requests_per_rank": round(total / ranks, 2),
+               "store_requests_by_kind": ours["requests"],
+               "store_requests_per_rank_by_kind": {k: round(v / ranks, 2) for k, v in ours["requests"].items()},
+               "store_bytes": sum(ours["bytes"].values()), "store_bytes_by_kind": ours["bytes"],
+               "busiest_second_requests": ours["busiest_second"],
                "baseline_store_requests": base["requests"] if base else None,
                "baseline_store_bytes": base["bytes"] if base else None,
                "steady_requests_per_s": round(ours["steady_per_node_s"] * nnodes, 1),
@@ -379,17 +476,20 @@ def _measure(args, sizes: List[int], baseline_max: int, etcd) -> None:
         if over_etcd:
             row.update(etcd_s=round(over_etcd["seconds"], 4), etcd_vs_tcpstore=round(over_etcd["seconds"] /
                                                                                     ours["seconds"], 2),
-                       etcd_store_requests_per_rank=round(over_etcd["requests"] / ranks, 2),
+                       etcd_store_requests_per_rank=round(sum(over_etcd["requests"].values()) / ranks, 2),
                        etcd_phases_s={k: round(v, 4) for k, v in over_etcd["phases"].items()})
             print(f"   over etcd: {over_etcd['seconds']:.3f}s ({row['etcd_vs_tcpstore']}x the TCPStore's), "
                   f"{row['etcd_store_requests_per_rank']} requests per rank", flush=True)
         rows.append(row)
         _save(rows, args)
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
-        print(f"{ranks:>6} {nnodes:>5} {row['ours_s']:>8.3f} {fmt(row['baseline_s'], '>10.3f')} "
-              f"{fmt(row['speedup'], '>8.1f')} {row['store_requests_per_rank']:>8.2f} "
-              f"{ours['bytes'] / 1e6:>8.2f} {fmt(base and base['requests'] / ranks, '>13.1f')} "
-              f"{fmt(base and base['bytes'] / 1e6, '>8.1f')} {row['steady_requests_per_node_s']:>13.1f} "
+        by_kind = row["store_requests_per_rank_by_kind"]
+        print(f"{ranks:>6} {nnodes:>5} {row['ours_s']:>7.3f} {row['instructions_s']:>7.3f} "
+              f"{fmt(row['baseline_s'], '>7.3f')} {fmt(row['speedup'], '>7.1f')} "
+              f"{row['store_requests_per_rank']:>8.2f} "
+              f"{by_kind['agents']:>6.2f} {by_kind['workers']:>7.2f} {by_kind['rendezvous']:>5.2f} "
+              f"{row['store_bytes'] / 1e6:>8.2f} {sum(ours['busiest_second'].values()):>9} "
+              f"{fmt(base and base['requests'] / ranks, '>13.1f')} {row['steady_requests_per_node_s']:>13.1f} "
               f"{fmt(row['baseline_steady_requests_per_node_s'], '>18.1f')}", flush=True)
     print(f"wrote {RESULTS.with_name('scale_etcd.json') if args.etcd else RESULTS}")
 

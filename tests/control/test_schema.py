@@ -134,7 +134,7 @@ MAY_NOT_IMPORT = {
     "control": ("worker", "launcher", "tools", "demo"),
     "worker": ("launcher", "tools", "demo"),
     "launcher": ("worker", "tools", "demo"),
-    "tools": ("worker", "launcher"),
+    "tools": ("launcher",),  # the simulation runs the workers' own code (tools/simulation), not the launcher's
 }
 
 

@@ -29,7 +29,7 @@ def test_young_interval_and_goodput_by_hand():
 def test_in_memory_and_peerstate_by_hand():
     inputs = GoodputInputs(interruptions=1, days=10_000 / 86400, accelerators_observed=1, step_s=2,
                            lag_steps=1.5, in_memory_restart_s=120, peerstate_recovery_s=1.0,
-                           peerstate_overhead=0.02, correlated=0.0, window_s=0.0)
+                           peerstate_overhead=0.02, correlated=0.0, window_s=0.0, comm_init_ref_s=0.0)
     values = closed_form(inputs, 1)
     assert values["in-memory restart (HyperPod)"] == pytest.approx(0.98 * (1 - 123 / 10_000))
     assert buddy_loss_probability(inputs) == 0.0
@@ -74,14 +74,30 @@ def test_recovery_time_at_a_size_adds_the_measured_growth_of_the_control_plane(t
     from peerstate.tools.goodput import GoodputInputs, closed_form, inputs_from_results
 
     curve = ((256, 0.05), (1024, 0.15), (16384, 1.65))
-    inputs = GoodputInputs(peerstate_recovery_s=0.3, control_plane=curve)
+    inputs = GoodputInputs(peerstate_recovery_s=0.3, control_plane=curve, comm_init_ref_s=0.0)
     assert inputs.recovery_s(256) == pytest.approx(0.3)
     assert inputs.recovery_s(1024) == pytest.approx(0.4)
     assert inputs.recovery_s(8704) == pytest.approx(0.3 + (0.9 - 0.05))  # halfway between 1,024 and 16,384
     slope = 1.5 / (16384 - 1024)  # past the end: the last segment's
     assert inputs.recovery_s(32768) == pytest.approx(0.3 + (1.65 + slope * 16384 - 0.05))
-    flat = GoodputInputs(peerstate_recovery_s=0.3)
+    flat = GoodputInputs(peerstate_recovery_s=0.3, comm_init_ref_s=0.0)
     assert flat.recovery_s(32768) == 0.3
     assert closed_form(inputs, 32768)["peerstate"] < closed_form(flat, 32768)["peerstate"]
     (tmp_path / "scale.json").write_text(json.dumps({"rows": [{"ranks": r, "ours_s": s} for r, s in curve]}))
     assert inputs_from_results(tmp_path).control_plane == curve
+
+
+def test_recovery_time_adds_the_modelled_communicator_initialisation():
+    from peerstate.tools.goodput import GoodputInputs, closed_form, table
+
+    # MegaScale's anchor (5 s at 2,048 GPUs), linear in N by default: 40 s at 16,384
+    inputs = GoodputInputs(peerstate_recovery_s=0.3)
+    assert inputs.comm_init_s(2048) == pytest.approx(5.0)
+    assert inputs.comm_init_s(16384) == pytest.approx(40.0)
+    assert inputs.recovery_s(16384) == pytest.approx(0.3 + 40.0)
+    square_root = GoodputInputs(peerstate_recovery_s=0.3, comm_init_exponent=0.5)
+    assert square_root.comm_init_s(8192) == pytest.approx(10.0)
+    none = GoodputInputs(peerstate_recovery_s=0.3, comm_init_ref_s=0.0)
+    assert closed_form(inputs, 16384)["peerstate"] < closed_form(none, 16384)["peerstate"]
+    row = table(inputs, [16384])[0]
+    assert row["comm_init_s"] == pytest.approx(40.0) and row["peerstate_recovery_s"] == pytest.approx(40.3)

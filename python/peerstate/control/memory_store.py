@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from peerstate.control.kvstore import KeyValueStore
 
@@ -27,6 +27,15 @@ class InMemoryKeyValueStore(KeyValueStore):
     def get(self, key: str) -> Optional[bytes]:
         with self._changed:
             return self._data.get(key)
+
+    def get_many(self, keys: Sequence[str]) -> List[Optional[bytes]]:
+        with self._changed:
+            return [self._data.get(k) for k in keys]
+
+    def set_many(self, items: Sequence[Tuple[str, bytes]]) -> None:
+        with self._changed:
+            self._data.update((k, bytes(v)) for k, v in items)
+            self._changed.notify_all()
 
     def add(self, key: str, amount: int) -> int:
         with self._changed:

@@ -37,6 +37,24 @@ minutes of a classic restart are the SageMaker HyperPod announcements
 (10 s) are not published figures: they are chosen so that checkpoint-restart
 at Llama 3's scale gives about 90%, the effective training time Meta reports.
 Every input is a flag of ``peerstate goodput``.
+
+peerstate's recovery at N ranks, R_ps(N), is the sum of four terms, each said
+in ``bench/README.md`` as measured or modelled:
+- the data plane (measured, ``bench/recovery.py``: a small job's kill to first
+  step, whose pulls per-rank state sets, not the job's size);
+- the control plane and the rendezvous (measured, ``bench/scale.py``: failure
+  to every simulated worker holding its instructions and the unique ids of its
+  communicator), added as their growth from the smallest simulated size;
+- NCCL's communicator (re)initialisation (modelled, not measurable here):
+  ``comm_init_s(N) = comm_init_ref_s * (N / comm_init_ref_n) ** comm_init_exponent``.
+  The default anchors on MegaScale (Jiang et al., NSDI 2024): a 2,048-GPU
+  job's initialisation cut from 1,047 s to under 5 s. Linear growth from there
+  is our assumption (NCCL's bootstrap gathers every rank's address; its
+  scalable init, 2.23 and later, is meant to grow slower). A recovery pays it in full:
+  the pinned torch (2.13) has ``shrink_group`` (NCCL 2.27's ``ncclCommShrink``)
+  and ``split_group``, which drop ranks, but no grow (NCCL 2.29's
+  ``ncclCommGrow``), which a spare taking a rank's place needs, so peerstate
+  forms the epoch's communicator anew.
 """
 
 from __future__ import annotations
@@ -71,16 +89,27 @@ class GoodputInputs:
     # The control plane's share of a recovery at N ranks, measured by bench/scale.py: (ranks, seconds).
     # R_ps(N) = R_ps + (C(N) - C(smallest measured)); past the largest, C grows linearly with N.
     control_plane: Tuple[Tuple[int, float], ...] = ()
+    comm_init_ref_s: float = 5.0        # NCCL communicator initialisation: this long ...
+    comm_init_ref_n: int = 2048         # ... at this many ranks (MegaScale) ...
+    comm_init_exponent: float = 1.0     # ... growing as N to this power (modelled)
+
+    def comm_init_s(self, accelerators: int) -> float:
+        """NCCL's communicator (re)initialisation at ``accelerators`` ranks (modelled)."""
+        return self.comm_init_ref_s * (accelerators / self.comm_init_ref_n) ** self.comm_init_exponent
+
+    def control_plane_s(self, accelerators: int) -> float:
+        """How much the measured control plane and rendezvous grow from the smallest
+        simulated size to ``accelerators`` ranks (0 when not measured)."""
+        curve = sorted(self.control_plane)
+        if len(curve) < 2:
+            return 0.0
+        return max(0.0, _interpolate(curve, accelerators) - curve[0][1])
 
     def recovery_s(self, accelerators: int) -> float:
         """R_ps at ``accelerators`` ranks: the measured small job's kill-to-first-step (its
-        data plane, which per-rank state sets, not the job's size) plus how much the
-        control plane grows from the smallest simulated size to this one. Process-group
-        re-formation at N is not in it (not modelled)."""
-        curve = sorted(self.control_plane)
-        if len(curve) < 2:
-            return self.peerstate_recovery_s
-        return self.peerstate_recovery_s + max(0.0, _interpolate(curve, accelerators) - curve[0][1])
+        data plane) plus the control plane's and rendezvous's growth (measured) plus NCCL's
+        communicator initialisation (modelled); see the module docstring."""
+        return self.peerstate_recovery_s + self.control_plane_s(accelerators) + self.comm_init_s(accelerators)
 
     @property
     def rate_per_accelerator(self) -> float:
@@ -234,6 +263,7 @@ def table(inputs: GoodputInputs, sizes: Sequence[int], monte_carlo_days: float =
     rows = []
     for n in sizes:
         row = {"accelerators": n, "mtbf_h": inputs.mtbf(n) / 3600.0, "peerstate_recovery_s": inputs.recovery_s(n),
+               "control_plane_s": inputs.control_plane_s(n), "comm_init_s": inputs.comm_init_s(n),
                "checkpoint_interval_min": checkpoint_interval(inputs, n) / 60.0,
                **{f"closed {k}": v for k, v in closed_form(inputs, n).items()}}
         if monte_carlo_days:
@@ -247,16 +277,19 @@ def print_table(inputs: GoodputInputs, rows: List[dict]) -> None:
     print(f"failure rate {inputs.rate_per_accelerator * 3600 * 1e6:.2f} per million accelerator-hours "
           f"({inputs.interruptions:g} in {inputs.days:g} days on {inputs.accelerators_observed} accelerators); "
           f"peerstate: overhead {inputs.peerstate_overhead:.1%}, recovery {inputs.peerstate_recovery_s:.2f}s at 4 ranks "
-          f"(R_ps: plus the control plane's growth, bench/scale.py{'' if inputs.control_plane else ': not measured'}), "
+          f"(R_ps: plus the control plane's and rendezvous's growth, bench/scale.py"
+          f"{'' if inputs.control_plane else ': not measured'}, plus NCCL's communicator init, modelled: "
+          f"{inputs.comm_init_ref_s:g}s at {inputs.comm_init_ref_n} ranks, x N^{inputs.comm_init_exponent:g}), "
           f"k={inputs.k}, buddy-loss probability {buddy_loss_probability(inputs):.4f} per failure")
     simulated = "simulated peerstate" in rows[0]
-    header = f"{'accelerators':>12}{'MTBF h':>9}{'ckpt every':>11}{'R_ps':>7}" + "".join(f"{s[:18]:>20}" for s in STRATEGIES)
+    header = (f"{'accelerators':>12}{'MTBF h':>9}{'ckpt every':>11}{'ctl+rdzv':>9}{'comm init':>10}{'R_ps':>7}"
+              + "".join(f"{s[:18]:>20}" for s in STRATEGIES))
     if simulated:
         header += f"{'sim ckpt':>10}{'sim mem':>9}{'sim ours':>10}{'lost/failures':>15}"
     print(header)
     for row in rows:
         line = (f"{row['accelerators']:>12}{row['mtbf_h']:>9.2f}{row['checkpoint_interval_min']:>9.1f}m"
-                f"{row['peerstate_recovery_s']:>6.2f}s"
+                f"{row['control_plane_s']:>8.2f}s{row['comm_init_s']:>9.1f}s{row['peerstate_recovery_s']:>6.1f}s"
                 + "".join(f"{row[f'closed {s}']:>20.2%}" for s in STRATEGIES))
         if simulated:
             line += (f"{row['simulated checkpoint-restart']:>10.2%}"

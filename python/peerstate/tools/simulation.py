@@ -1,44 +1,62 @@
-"""The control plane of a large job, simulated over a real store: what
-``bench/scale.py`` measures and the protocol tests drive.
+"""A large job simulated over a real store: what ``bench/scale.py`` measures and
+the protocol tests drive.
 
 A ``SimulatedNode`` runs its agent's real control code (``NodeControl``, and
 through it ``NodeRelay``, ``InstructionWriter``, ``Coordinator``) against the
 job's real store, over connections of its own, exactly as ``peerstate run``'s
-agent does. What is
-modelled, not run:
+agent does. Its ``SimulatedMembers`` make the job-store requests its workers
+make in a recovery, with the workers' own code (``DistributedWrappers``,
+``reserve_replicas``, ``publish_size``, ``RecoveryReport``), and the requests
+torch's ``ProcessGroupNCCL`` makes to form the epoch's communicator
+(``NcclRendezvous``), with torch's own TCPStore client. What is modelled, not
+run:
 - the node channel is an in-process store (``SimulatedChannel``), and the
   members on it answer at once: when the relay copies a plan into it, each
   member of the node writes the report a worker writes (what it holds if it
   snapshotted every step up to ``version``); a worker's abort, its step and
-  its restore are not run;
-- process groups are not formed (that is torch's rendezvous, not ours).
-
-``SimulatedNode`` is the agent's own ``NodeControl`` (joining, ticks, lease
-checks, relay, fencing, plan writing), not a copy of it; ``tick`` makes the
-store calls of one watch tick of an agent for the steady-state figures.
+  its restore are not run, and its first step after the recovery ends as soon
+  as its groups are ready;
+- the job is data-parallel with one DDP wrapper (``_BucketLayout`` stands in
+  for it: a layout, no model);
+- a node's members share one connection to the job's store and one to the
+  rendezvous, and take turns on a thread (a node's 8 processes have 16): the
+  requests and bytes are a real node's, the connections an eighth;
+- the communicator's own initialisation (NCCL's bootstrap ring and transport
+  setup, on the GPUs' network) is not run: ``tools/goodput`` models it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from peerstate.control import keys
+from peerstate.control.kvstore import RequestCount
 from peerstate.control.stores import open_store
 from peerstate.control.memory_store import InMemoryKeyValueStore
 from peerstate.control.messages import MemberReport, RecoveryPlan, StateLayout
 from peerstate.control.node_control import NodeControl
 from peerstate.control.planning import node_of_worker
+from peerstate.control.timeline import EventLog
 from peerstate.replication.placement import BuddyPlacement
+from peerstate.worker.rebuild import DistributedWrappers
+from peerstate.worker.report import RecoveryReport
+from peerstate.worker.step_boundary import publish_size, reserve_replicas
 
 LAYOUT = StateLayout(k=1, share_count=8, data_parallel=True)  # the default of a multi-node job of 8 ranks per node
 
 
-def served_by(world_size: int, nproc: int, k: int) -> Dict[int, List[int]]:
+def buddy_placement(world_size: int, nproc: int, k: int) -> BuddyPlacement:
+    """The placement of a job of ``world_size`` ranks, ``nproc`` per node, ``k`` copies."""
+    return BuddyPlacement([r // nproc for r in range(world_size)], k=k)
+
+
+def served_by(world_size: int, nproc: int, k: int, placement: Optional[BuddyPlacement] = None) -> Dict[int, List[int]]:
     """holder -> the ranks whose snapshots it keeps (``BuddyPlacement``, inverted once)."""
-    placement = BuddyPlacement([r // nproc for r in range(world_size)], k=k)
+    placement = placement or buddy_placement(world_size, nproc, k)
     served: Dict[int, List[int]] = {r: [] for r in range(world_size)}
     for rank in range(world_size):
         for holder in placement.holders(rank):
@@ -61,6 +79,9 @@ class SimulatedChannel(InMemoryKeyValueStore):
         self._layout = layout
         self._fresh: set = set()  # ranks whose worker joined and has not been told how to restore yet
         self.delivered: Dict[int, float] = {}  # epoch -> when its instructions reached the members
+        # Called with each plan and the ranks that have just joined, before the members report:
+        # what the workers do at an abort (``SimulatedMembers.abort``).
+        self.on_plan: Optional[Callable[[RecoveryPlan, set], None]] = None
         self._encoded: Dict[tuple, bytes] = {}
         self._delivery = threading.Condition()
 
@@ -84,6 +105,8 @@ class SimulatedChannel(InMemoryKeyValueStore):
                 self._fresh.add(rank)
             else:
                 self.members.pop(rank, None)
+        if self.on_plan is not None:
+            self.on_plan(plan, set(self._fresh))
         for rank, worker in self.members.items():
             if (rank, worker, rank in self._fresh) not in self._encoded:  # a member's report changes when it does
                 self._encoded[(rank, worker, rank in self._fresh)] = self.report(rank, worker).encode()
@@ -113,10 +136,13 @@ class SimulatedNode:
 
     def __init__(self, store: str, node: int, nnodes: int, nproc: int, served: Dict[int, List[int]], *,
                  spares: int = 1, version: int = 100, report_timeout: float = 60.0, lease_timeout: float = 3.0,
-                 layout: StateLayout = LAYOUT) -> None:
+                 layout: StateLayout = LAYOUT, placement: Optional[BuddyPlacement] = None) -> None:
         self.node, self.nnodes, self.nproc, self.spares = node, nnodes, nproc, spares
         self.kv = open_store(store, timeout=120.0)  # HOST:PORT of a TCPStore, or etcd://...
         self.channel = SimulatedChannel(node, nproc, served, version, layout)
+        # With a placement, the node's workers too (their requests to the job's store).
+        self.members = SimulatedMembers(store, self.channel, nnodes * nproc, placement, report_timeout) \
+            if placement is not None else None
         self.failures: List[str] = []
         self.fenced = False
         # The relay's connection is a clone: one count for both, as in the agent.
@@ -158,3 +184,164 @@ class SimulatedNode:
     def stop(self, wait: bool = True) -> None:
         """Stop the relay; ``wait=False`` only asks it to (stop many, then wait for each)."""
         self.control.stop_relay(wait)
+
+
+# TORCH_NCCL_RANKS_PER_ROOT's default: above it, ProcessGroupNCCL forms a communicator from
+# several unique ids (ncclCommInitRankScalable, NCCL 2.23+), one per this many ranks.
+RANKS_PER_ROOT = 128
+NCCL_UNIQUE_ID_BYTES = 128
+
+
+class NcclRendezvous:
+    """The job-store requests torch's ``ProcessGroupNCCL`` makes to form one
+    communicator (the default group of an epoch, ``ProcessGroups.form``), made with
+    torch's own TCPStore client ``store`` (a ``rendezvous_store()``) and counted as
+    that client sends them. After ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``
+    (torch 2.6 and later, built with NCCL 2.23 or later, as 2.13's wheels are):
+    - up to ``RANKS_PER_ROOT`` ranks, ``broadcastUniqueNCCLID``: rank 0 sets the
+      unique id (one request), every other rank gets it (TCPStore's ``get`` is a
+      wait and a read: two);
+    - above, ``allgatherUniqueNCCLIDs``: one root per ``RANKS_PER_ROOT`` ranks sets
+      its id, and every rank reads all of them (``multiGet``: a wait and a read).
+    ``init_process_group`` adds no store barrier unless ``TORCH_DIST_INIT_BARRIER=1``.
+    gloo's rendezvous (every rank reads every other's address: N^2 reads) is not
+    made here: it serves CPU jobs, not jobs of thousands of ranks."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.count = RequestCount()
+
+    def announce(self, epoch: int, rank: int, world_size: int, timeout: float) -> None:
+        """A root rank's part: publish its unique id (nothing for the others)."""
+        name = self._root_key(rank, world_size)
+        if name is not None:
+            unique_id = os.urandom(NCCL_UNIQUE_ID_BYTES)
+            self._prefixed(epoch, timeout).set(name, unique_id)
+            self.count.sent(1, name, unique_id)
+
+    def join(self, epoch: int, rank: int, world_size: int, timeout: float) -> None:
+        """Every other rank's part: wait for and read the ids it needs (blocks until the
+        roots announced them)."""
+        roots = math.ceil(world_size / RANKS_PER_ROOT)
+        prefixed = self._prefixed(epoch, timeout)
+        if roots == 1:
+            if rank != 0:
+                self.count.sent(2, "0", "0")
+                self.count.received([prefixed.get("0")])
+            return
+        names = [f"UniqueNCCLID:{r}" for r in range(roots)]
+        self.count.sent(2, *names, *names)
+        self.count.received(prefixed.multi_get(names))
+
+    def form(self, epoch: int, rank: int, world_size: int, timeout: float) -> None:
+        """One rank's whole rendezvous."""
+        self.announce(epoch, rank, world_size, timeout)
+        self.join(epoch, rank, world_size, timeout)
+
+    @staticmethod
+    def _root_key(rank: int, world_size: int) -> Optional[str]:
+        roots = math.ceil(world_size / RANKS_PER_ROOT)
+        if roots == 1:
+            return "0" if rank == 0 else None
+        first = [r * world_size // roots for r in range(roots)]  # the roots, spread evenly
+        return f"UniqueNCCLID:{first.index(rank)}" if rank in first else None
+
+    def _prefixed(self, epoch: int, timeout: float):
+        import datetime
+
+        import torch.distributed as dist
+
+        prefixed = dist.PrefixStore(f"{keys.process_group_prefix(epoch)}0/cuda/", self.store)  # group "0", its device
+        prefixed.set_timeout(datetime.timedelta(seconds=timeout))
+        return prefixed
+
+
+class _BucketLayout:
+    """What ``DistributedWrappers`` asks of a DDP wrapper in a recovery: its bucket
+    layout (a model of two buckets), and its release."""
+
+    def release(self) -> None:
+        pass
+
+    def bucket_layout(self) -> List[List[int]]:
+        return [[3, 2], [1, 0]]
+
+
+class _Reservations:
+    """Where ``reserve_replicas`` reserves the replicas a rank will hold (the
+    replication endpoint's ``reserve``): noted, not allocated."""
+
+    def __init__(self) -> None:
+        self.sizes: Dict[int, int] = {}
+
+    def reserve(self, sizes: Dict[int, int]) -> None:
+        self.sizes.update(sizes)
+
+
+class SimulatedMembers:
+    """One node's workers, as far as the job's store sees them in a recovery (see the
+    module docstring). ``abort`` runs on each plan, before the members report;
+    ``run`` then waits for the node's instructions, forms the epoch's group, makes a
+    replacement's requests, and ends each member's first step after the recovery,
+    which puts its marks in the node channel (its agent forwards them)."""
+
+    def __init__(self, store: str, channel: SimulatedChannel, world_size: int, placement: BuddyPlacement,
+                 timeout: float, state_bytes: int = 1 << 30) -> None:
+        self.kv = open_store(store, timeout=timeout)
+        self.rendezvous = NcclRendezvous(self.kv.rendezvous_store())
+        self.channel, self.world_size, self.placement, self.timeout = channel, world_size, placement, timeout
+        self.state_bytes = state_bytes
+        self.ready: Dict[int, float] = {}  # epoch -> when every member's group was formed
+        self._wrappers: Dict[int, DistributedWrappers] = {}
+        self._reports: Dict[int, RecoveryReport] = {}
+        self._fresh: Dict[int, set] = {}
+        for rank in channel.members:
+            self._wrappers[rank], self._reports[rank] = self._member(rank, started=True)
+        channel.on_plan = self.abort
+
+    def _member(self, rank: int, started: bool) -> Tuple[DistributedWrappers, RecoveryReport]:
+        wrappers = DistributedWrappers(self.kv)
+        if started:
+            wrappers.ddps.append(_BucketLayout())
+        report = RecoveryReport(self.kv, self.channel, EventLog(None, f"rank{rank}"), self.world_size)
+        report._start_recorded = started  # a new process records the job's start at its first step
+        return wrappers, report
+
+    def abort(self, plan: RecoveryPlan, fresh: set) -> None:
+        """What each worker does when the plan reaches it (``EpochJoiner.join``): it
+        drops its DDP wrappers; a replacement starts."""
+        if plan.epoch == 0:
+            return  # the job's start: no recovery
+        self._fresh[plan.epoch] = fresh
+        for rank in self.channel.members:
+            if rank in fresh:
+                self._wrappers[rank], self._reports[rank] = self._member(rank, started=False)
+            report = self._reports[rank]
+            report.recovery_began()
+            self._wrappers[rank].release()
+            if rank not in fresh:
+                report.mark("abort")
+
+    def run(self, epoch: int, version: int) -> None:
+        """The node's members through epoch ``epoch``'s recovery, up to their first step's end."""
+        self.channel.wait_delivered(epoch, self.timeout)
+        fresh = self._fresh.get(epoch, set())
+        kept = [rank for rank in self.channel.members if rank not in fresh]
+        for rank in kept:  # with its instructions (EpochJoiner.join)
+            self._wrappers[rank].publish_layouts(epoch, rank, kept)
+        for rank in self.channel.members:  # the roots first: one thread takes the node's members in turn
+            self.rendezvous.announce(epoch, rank, self.world_size, self.timeout)
+        for rank in self.channel.members:
+            self.rendezvous.join(epoch, rank, self.world_size, self.timeout)
+            self._reports[rank].mark("re-form")
+            if rank in fresh:  # after its restore: the script wraps its model (Job.ddp), reserves replicas
+                self._wrappers[rank].published_layout(epoch, 0, self.timeout)
+                reserve_replicas(self.kv, _Reservations(), self.placement, rank, self.timeout)
+        self.ready[epoch] = time.time()
+        for rank in self.channel.members:
+            report = self._reports[rank]
+            if rank in fresh:  # its first boundary registers its state
+                publish_size(self.kv, rank, self.state_bytes)
+            report.mark("first step")
+            report.first_step_after = version + 1
+            report.end_step(version + 1, 0.0, epoch, rank)
