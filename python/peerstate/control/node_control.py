@@ -125,7 +125,8 @@ class NodeControl:
         connection of its own; again after ``stop_relay`` (an agent that stalled and
         came back: the same relay, where it left off)."""
         if self.relay is None:
-            timelines = RecoveryTimelines(self._relay_kv, lambda epoch: self._relay_coordinator.plan(epoch).__dict__,
+            marks_coordinator = Coordinator(self._relay_kv.clone())  # the marks' thread's (NodeRelay step 5)
+            timelines = RecoveryTimelines(marks_coordinator.kv, lambda epoch: marks_coordinator.plan(epoch).__dict__,
                                           self.nnodes, self.world_size, self.events, self._say)
             self.relay = NodeRelay(self._relay_kv, channel, self._relay_coordinator, self.writer, self.node,
                                    self.name, self.join_timeout, self.on_failure, self._on_fenced,

@@ -12,9 +12,10 @@ For each epoch, in order:
 4. read this node's ``NodeInstructions`` once and put them in the channel as
    they are: each member expands its own part (``planning.expand``, with the
    reports of its node's members, which are in the channel already);
-5. after a recovery's epoch, once every member of the node has put its
+5. after a recovery's epoch, as soon as every member of the node has put its
    timeline marks in the channel (after its first step), publish them as one
-   entry (``RecoveryTimelines``), unless a newer epoch came first.
+   entry (``RecoveryTimelines``), on a thread that waits on the channel
+   (``MarksForwarder``): the relay itself is back to waiting for the next plan.
 
 Per node and epoch that is a handful of requests to the job's store whatever
 the job's size; the members' own traffic stays on the node. Every wait also
@@ -38,7 +39,7 @@ from peerstate.control.timeline import RecoveryTimelines
 from peerstate.errors import JobFailedError
 
 POLL_SECONDS = 0.25  # how often a wait on the node's members looks for a newer epoch
-PLAN_WAIT_SECONDS = 1.0  # the wait for the next plan (each one also forwards the members' marks when due)
+PLAN_WAIT_SECONDS = 1.0  # the wait for the next plan
 
 
 class NodeRelay:
@@ -77,8 +78,7 @@ class NodeRelay:
         self._stopping = threading.Event()  # run()'s stop
         self._local: Optional[Dict[int, str]] = None  # rank -> worker of this node's members, as of the last plan
         self._fenced = False  # some of this node's ranks went to other nodes in the last plan
-        self._timelines = timelines
-        self._marks_due: Optional[Tuple[int, List[int]]] = None  # (epoch, the node's members) for step 5
+        self._marks = MarksForwarder(channel, timelines, node) if timelines is not None else None
 
     def run(self, stop: threading.Event) -> None:
         """Relay epochs until ``stop``; a JobFailedError (an owner that neither wrote
@@ -87,9 +87,8 @@ class NodeRelay:
         try:
             while not stop.is_set():
                 plan = self._next_plan(stop)
-                if plan is not None and self.relay(plan) and plan.epoch > 0 and self._timelines and self._local:
-                    self._marks_due = (plan.epoch, sorted(self._local))
-            self._forward_marks()  # the job's end: members that ran their first step have marked it
+                if plan is not None and self.relay(plan) and plan.epoch > 0 and self._marks and self._local:
+                    self._marks.forward(plan.epoch, sorted(self._local))
         except JobFailedError as error:
             self._on_failure(str(error))
         except Exception as error:  # noqa: BLE001 - said by the agent, or here
@@ -97,11 +96,13 @@ class NodeRelay:
                 return  # the agent's own calls meet the same store, and stop it
             if not stop.is_set():
                 self._on_failure(f"node {self.node} could not relay the recovery protocol: {error}")
+        finally:
+            if self._marks is not None:
+                self._marks.stop()  # the job's end: members that ran their first step have marked it
 
     def _next_plan(self, stop: threading.Event) -> Optional[RecoveryPlan]:
         """The newest plan once there is one newer than the last relayed, each plan
         in between copied into the channel first (watchers wait on them in order)."""
-        self._forward_marks()  # within a plan wait of the last member's marks: no request of its own
         try:
             self._kv.wait([keys.epoch_plan(self._mirrored + 1)], timeout=PLAN_WAIT_SECONDS)
         except TimeoutError:
@@ -111,7 +112,6 @@ class NodeRelay:
         plans = self._coordinator.new_plans(known=self._mirrored + 1, upto=self._mirrored + 1)
         if not plans:
             return None
-        self._marks_due = None  # a newer epoch: the last one's recovery never completed
         if self._local is None:
             nproc = self._coordinator.shape()["nproc_per_node"]
             self._local = {self.node * nproc + k: f"n{self.node}.{k}" for k in range(nproc)}
@@ -125,17 +125,6 @@ class NodeRelay:
         self._channel.set_many([(keys.epoch_plan(p.epoch), p.encode()) for p in plans])
         self._mirrored = plans[-1].epoch
         return plans[-1] if not stop.is_set() else None
-
-    def _forward_marks(self) -> None:
-        """Step 5, once every member's marks are in the channel (a check, until then)."""
-        if self._marks_due is None:
-            return
-        epoch, ranks = self._marks_due
-        marks = self._channel.get_many([keys.recovery_marks(epoch, r) for r in ranks])
-        if any(raw is None for raw in marks):
-            return
-        self._marks_due = None
-        self._timelines.publish(epoch, self.node, dict(zip(ranks, marks)))
 
     def _newer(self, epoch: int) -> bool:
         """Whether epoch ``epoch`` is moot: a newer one began, or the relay is stopping."""
@@ -194,3 +183,82 @@ class NodeRelay:
                     missing = [r for r, raw in zip(ranks, self._channel.get_many(names)) if raw is None]
                     self._on_failure(f"ranks {missing} did not join epoch {epoch} within {self.report_timeout:.0f}s")
                     return None
+
+
+class MarksForwarder:
+    """Step 5: publishes the marks of a recovery's members (``RecoveryTimelines``) as
+    soon as the last of them is in the node channel. A thread of its own waits on a
+    connection of its own to the channel, so the marks never wait for the relay's next
+    plan wait (a node lost a moment after its members' first step has published by
+    then), and the job's store sees no request until they are all in. A newer epoch's
+    ``forward`` replaces the wait (an interrupted recovery has no complete timeline);
+    ``stop`` ends it after a last look."""
+
+    def __init__(self, channel: KeyValueStore, timelines: RecoveryTimelines, node: int) -> None:
+        self._source = channel
+        self._node = node
+        self._channel: Optional[KeyValueStore] = None  # cloned at the first recovery
+        self._timelines = timelines
+        self._lock = threading.Lock()
+        self._due: Optional[Tuple[int, List[int]]] = None  # (epoch, the node's members)
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+
+    def forward(self, epoch: int, ranks: List[int]) -> None:
+        """Publish epoch ``epoch``'s marks once ``ranks`` (the node's members) have all
+        put theirs in the channel; returns at once."""
+        with self._lock:
+            self._due = (epoch, ranks)
+            if self._thread is None:
+                if self._channel is None:
+                    self._channel = self._source.clone()
+                self._thread = threading.Thread(target=self._run, name="peerstate-marks", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        """Publish what is complete now, and end the thread (a relay started again
+        forwards again)."""
+        self._stopping.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5.0)
+        with self._lock:
+            self._due = None
+        self._stopping.clear()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                due = self._due
+                if due is None:
+                    self._thread = None
+                    return
+            epoch, ranks = due
+            names = [keys.recovery_marks(epoch, r) for r in ranks]
+            try:
+                self._channel.wait(names, timeout=POLL_SECONDS)
+            except TimeoutError:
+                if not self._stopping.is_set() and self._due == due:
+                    continue
+            except Exception as error:  # noqa: BLE001 - the channel went with the agent
+                if not store_gone(error):
+                    self._timelines.say(f"peerstate: the marks of epoch {epoch} could not be read: {error}")
+                with self._lock:
+                    self._due = None if self._due == due else self._due
+                continue
+            self._publish(due, names)
+            with self._lock:
+                if self._due == due or self._stopping.is_set():
+                    self._due = None
+
+    def _publish(self, due: Tuple[int, List[int]], names: List[str]) -> None:
+        """One look: publish when every member's marks are in (else the recovery did not
+        complete on this node: a newer epoch came, or the job ended first)."""
+        epoch, ranks = due
+        try:
+            marks = self._channel.get_many(names)
+            if all(raw is not None for raw in marks):
+                self._timelines.publish(epoch, self._node, dict(zip(ranks, marks)))
+        except Exception as error:  # noqa: BLE001 - the timeline is lost, and said to be
+            if not store_gone(error):
+                self._timelines.say(f"peerstate: the timeline of epoch {epoch} could not be published: {error}")

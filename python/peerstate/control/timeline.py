@@ -102,7 +102,7 @@ class RecoveryTimelines:
                  events: Optional[EventLog], say: Callable[[str], None] = _say) -> None:
         self._kv, self._plan_of = kv, plan_of
         self.nnodes, self.world_size = nnodes, world_size
-        self._events, self._say = events, say
+        self._events, self.say = events, say
 
     def publish(self, epoch: int, node: int, marks: Dict[int, bytes]) -> bool:
         """Publish node ``node``'s members' marks of epoch ``epoch`` (rank -> a member's
@@ -126,5 +126,5 @@ class RecoveryTimelines:
             self._events.write("recovery", **timeline, marks=marks, version=max(versions - {None}, default=None))
         self._kv.set(keys.recovery_seconds(epoch), str(timeline["total_s"]).encode())
         phases = ", ".join(f"{k} {v:.3f}s" for k, v in timeline["phases_s"].items() if v is not None)
-        self._say(f"peerstate: recovered epoch {epoch} (ranks {plan['failed']}) in {timeline['total_s']:.2f}s "
+        self.say(f"peerstate: recovered epoch {epoch} (ranks {plan['failed']}) in {timeline['total_s']:.2f}s "
                   f"from {timeline['from']}: {phases}")
