@@ -9,7 +9,8 @@
 // describe() is kUnavailable (metadata travels over tcp). abort() calls
 // ncclCommAbort, which makes every pending and later call fail with kAborted.
 // A transfer that does not finish by timeout_ms aborts the communicator and
-// returns kTimeout. Host-only builds return kUnavailable.
+// returns kTimeout; one whose communicator reports an asynchronous error (a peer
+// gone) aborts it too and returns kConnectionError. Host-only builds return kUnavailable.
 #pragma once
 
 #include <memory>

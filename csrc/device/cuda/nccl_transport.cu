@@ -50,8 +50,10 @@ class NcclTransport final : public Transport {
     std::vector<uint32_t> taken;
     uint32_t c;
     // Both sides walk the chunks in the same order, so every ncclSend meets its ncclRecv.
+    // try_take: the chunks this call takes stay in progress until the group's stream
+    // work is done, so a blocking take() would wait for them forever.
     PEERSTATE_RETURN_IF_ERROR(nccl_status(nccl_.group_start(), "ncclGroupStart"));
-    while (plan.queue->take(&c)) {
+    while (plan.queue->try_take(&c)) {
       const ChunkPlacement& chunk = layout.chunks[c];
       int rc = sending ? nccl_.send(plan.region + chunk.offset, chunk.nbytes, kNcclUint8, peer, comm_, stream_)
                        : nccl_.recv(plan.region + chunk.offset, chunk.nbytes, kNcclUint8, peer, comm_, stream_);
@@ -84,8 +86,13 @@ class NcclTransport final : public Transport {
         return Status(StatusCode::kCudaError, std::string("nccl transfer stream failed: ") + cudaGetErrorString(err));
       if (aborted_.load()) return Status(StatusCode::kAborted, "nccl transport aborted");
       int async = 0;
-      if (nccl_.comm_get_async_error(comm_, &async) == 0 && async != 0 && async != 7 /* ncclInProgress */)
-        return nccl_status(async, "nccl communicator");
+      if (nccl_.comm_get_async_error(comm_, &async) == 0 && async != 0 && async != 7 /* ncclInProgress */) {
+        const Status failed = nccl_status(async, "nccl communicator");
+        // A failed communicator's work never ends on its own, and destroying it would wait for
+        // that work: only an abort frees the stream (NCCL's documented way out of an error).
+        abort();
+        return Status(failed.code(), failed.message() + "; the communicator was aborted");
+      }
       if (std::chrono::steady_clock::now() > deadline) {
         abort();
         return Status(StatusCode::kTimeout, "nccl transfer did not finish within " + std::to_string(timeout_ms_) +

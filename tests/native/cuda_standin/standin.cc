@@ -43,6 +43,10 @@ struct CUstream_st {
     }
     changed.notify_all();
   }
+  bool idle() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return queue.empty() && !running;
+  }
   void drain() {
     std::unique_lock<std::mutex> lock(mutex);
     changed.wait(lock, [this] { return queue.empty() && !running; });
@@ -133,6 +137,7 @@ const char* cudaGetErrorName(cudaError_t error) {
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
     case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
     case cudaErrorHostMemoryAlreadyRegistered: return "cudaErrorHostMemoryAlreadyRegistered";
     case cudaErrorHostMemoryNotRegistered: return "cudaErrorHostMemoryNotRegistered";
@@ -199,6 +204,11 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   resolve(stream)->drain();
   return sticky();
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  if (sticky() != cudaSuccess) return sticky();
+  return resolve(stream)->idle() ? cudaSuccess : cudaErrorNotReady;
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
@@ -304,6 +314,11 @@ cudaError_t standin_launch_fill(cudaStream_t stream, void* ptr, unsigned char va
     unsigned char* bytes = static_cast<unsigned char*>(ptr);
     for (size_t i = 0; i < nbytes; i++) bytes[i] = standin_pattern(value, i);
   });
+  return cudaSuccess;
+}
+
+cudaError_t standin_stream_push(cudaStream_t stream, void (*run)(void*), void* arg) {
+  resolve(stream)->push([run, arg] { run(arg); });
   return cudaSuccess;
 }
 

@@ -27,6 +27,7 @@ typedef enum cudaError {
   cudaErrorNoDevice = 100,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
   cudaErrorIllegalAddress = 700,
   cudaErrorHostMemoryAlreadyRegistered = 712,
   cudaErrorHostMemoryNotRegistered = 713,
@@ -60,6 +61,7 @@ cudaError_t cudaHostUnregister(void* ptr);
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags);
 cudaError_t cudaStreamDestroy(cudaStream_t stream);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaStreamQuery(cudaStream_t stream);
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags);
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t nbytes, enum cudaMemcpyKind kind,
                             cudaStream_t stream);
@@ -88,6 +90,9 @@ void standin_reset_error(void);
 cudaError_t standin_launch_fill(cudaStream_t stream, void* ptr, unsigned char value, size_t nbytes,
                                 unsigned int delay_us);
 struct standin_counters standin_read_counters(void);
+// Runs run(arg) on `stream` in order with its other work: the NCCL stand-in
+// queues its transfers here, as NCCL queues its kernels.
+cudaError_t standin_stream_push(cudaStream_t stream, void (*run)(void*), void* arg);
 // `value` plus the index of the byte's 4 KiB page: bytes copied from or to a
 // wrong offset show.
 static inline unsigned char standin_pattern(unsigned char value, size_t i) {
