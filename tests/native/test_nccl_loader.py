@@ -129,3 +129,44 @@ def test_nccl_transfer_between_two_gpus(tmp_path):
     finally:
         for p in procs:
             p.kill()
+
+
+def nvidia_nccl_library() -> str:
+    """libnccl.so.2 of NVIDIA's nvidia-nccl-cu12 wheel (the test extra installs it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.nccl")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("nvidia-nccl-cu12 is not installed (pip install nvidia-nccl-cu12, or the test extra)")
+    return os.path.join(list(spec.submodule_search_locations)[0], "lib", "libnccl.so.2")
+
+
+def test_the_real_libnccl_loads_through_our_loader_and_fails_clearly_without_a_device(tmp_path):
+    library = nvidia_nccl_library()
+    code = textwrap.dedent("""
+        import ctypes, sys
+        import peerstate
+        from peerstate import _C
+        loaded = _C.nccl_load()
+        direct = ctypes.c_int()
+        ctypes.CDLL(sys.argv[1]).ncclGetVersion(ctypes.byref(direct))  # the library's own answer, not ours
+        print("LOADED", loaded["version_code"], direct.value, loaded["origin"])
+        print("UNIQUE_ID", len(_C.nccl_unique_id()))  # a bootstrap address: no device needed
+        try:
+            _C.nccl_transport(_C.nccl_unique_id(), 2, 0, 0, 2000)
+            print("TRANSPORT made")
+        except peerstate.Error as e:
+            print("TRANSPORT", type(e).__name__, e)
+    """)
+    result = subprocess.run([sys.executable, "-c", code, library], env=dict(os.environ, PEERSTATE_NCCL_LIBRARY=library),
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr  # no crash
+    lines = dict(line.split(" ", 1) for line in result.stdout.strip().splitlines())
+    ours, theirs, origin = lines["LOADED"].split(" ", 2)
+    assert int(ours) == int(theirs) >= 21800 and origin == library  # every symbol bound (else: "lacks ...")
+    assert lines["UNIQUE_ID"] == "128"
+    if peerstate.cuda_available():
+        pytest.skip("this machine has a GPU: the transport's device path is bench/gpu/check.sh's")
+    expected = "UnavailableError cannot use CUDA device 0" if peerstate.cuda_compiled() else \
+        "UnavailableError this build has no CUDA"
+    assert lines["TRANSPORT"].startswith(expected), lines["TRANSPORT"]
