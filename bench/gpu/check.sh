@@ -1,18 +1,56 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine: build, GPU tests, GPU benchmarks.
-# Usage (device tool): bash bench/gpu/check.sh   -- results land in $OUT (or bench/results).
+# One prepared run on a lent GPU machine: build, the GPU tests, the device
+# stand-in tests, the snapshot benchmark on the device, and a recovery with
+# CUDA state (4 workers and a spare on the one GPU, a worker and then a node
+# killed, the final weights compared bit for bit with a fault-free run).
+#
+#   bash bench/gpu/check.sh                               # on the GPU machine (device tool)
+#   PEERSTATE_CHECK_DEVICE=cpu bash bench/gpu/check.sh    # the rehearsal: the same steps on the CPU
+#
+# Uses the python3 on the PATH and the torch it has (a lent machine reaches no
+# registry: it must bring torch with CUDA; peerstate is built here with
+# --no-build-isolation, so scikit-build-core and pybind11 must be there too).
+# Every step's log lands in $OUT (default bench/results/gpu); $OUT/summary.txt
+# has one line per step; the exit status is 1 if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-bench/results}"
+OUT="${OUT:-bench/results/gpu}"
+DEVICE="${PEERSTATE_CHECK_DEVICE:-cuda}"
+PYTHON="${PYTHON:-python3}"
 mkdir -p "$OUT"
-{
-  nvidia-smi || true
-  python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
-  # The GPU machine brings its own CUDA torch; fall back to PyPI's otherwise.
-  pip install --quiet torch ".[test]" 2>&1 | tail -3
-  python -c "import peerstate, torch; print('cuda_compiled', peerstate.cuda_compiled(), 'cuda_available', peerstate.cuda_available(), 'torch', torch.__version__, torch.cuda.is_available())"
-  python -m pytest -rs -q tests/native/test_snapshot_cuda.py tests/replication/test_replica_device.py tests/native/test_nccl_loader.py \
-    tests/native/test_snapshot_store.py tests/replication/test_tcp_transport.py
-  python bench/snapshot.py --device cuda --sizes 256 1024 --out "$OUT/snapshot_cuda.json"
-  python bench/snapshot.py --quick --out "$OUT/snapshot_gpu_host.json"
-} 2>&1 | tee "$OUT/check.log"
+: > "$OUT/summary.txt"
+failed=0
+
+step() {  # step NAME COMMAND...: runs it with its output in $OUT/NAME.log
+  local name=$1 started rc
+  shift
+  started=$(date +%s)
+  echo "=== $name: $*"
+  "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc seconds=$(( $(date +%s) - started ))" | tee -a "$OUT/summary.txt"
+  tail -n 4 "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || failed=1
+}
+
+if [ "$DEVICE" = cuda ]; then
+  step nvidia-smi nvidia-smi
+  step build env PEERSTATE_CUDA=ON "$PYTHON" -m pip install --no-deps --no-build-isolation -e .
+  GPU_TESTS="tests/native/test_snapshot_cuda.py tests/replication/test_replica_device.py tests/native/test_nccl_loader.py"
+else
+  GPU_TESTS="tests/native/test_nccl_loader.py"
+fi
+step build-info "$PYTHON" -c "import peerstate, torch; print('cuda_compiled', peerstate.cuda_compiled(),
+  'cuda_available', peerstate.cuda_available(), 'devices', peerstate._C.cuda_device_count(),
+  'torch', torch.__version__, 'torch.cuda', torch.cuda.is_available())"
+# shellcheck disable=SC2086
+step gpu-tests "$PYTHON" -m pytest -rs -q $GPU_TESTS tests/native/test_snapshot_store.py
+step standin-tests "$PYTHON" -m pytest -rs -q tests/native/test_device_standins.py
+step snapshot-bench "$PYTHON" bench/snapshot.py --device "$DEVICE" --sizes 256 1024 \
+  --out "$OUT/snapshot_$DEVICE.json"
+# NCCL refuses two ranks on one GPU ("Duplicate GPU"); the nccl transfer test needs 2 GPUs
+# and says so in gpu-tests. The recovery below keeps CUDA state under gloo process groups.
+step recovery "$PYTHON" -m peerstate demo --steps 14 --kill-worker-at 4 --kill-node-at 9 --width 64 --layers 1 \
+  --device "$DEVICE" --out "$OUT/demo_$DEVICE"
+grep -h "bitwise check" "$OUT/recovery.log" | tee -a "$OUT/summary.txt"
+exit "$failed"

@@ -150,13 +150,13 @@ def test_a_tls_cluster_that_asks_for_client_certificates(tmp_path):
         kv = EtcdKeyValueStore.for_job(cluster.url, "tls", tls=files)
         assert kv.compare_set("owner", b"", b"agent0") == b"agent0"
         threading.Timer(0.1, kv.clone().set, args=("later", b"1")).start()
-        assert kv.wait_get("later", timeout=5) == b"1"
+        assert kv.wait_get("later", timeout=60) == b"1"
         worker = EtcdKeyValueStore.from_address(kv.address)
         assert worker.address.startswith("etcds://") and worker.get("owner") == b"agent0"
-        started = time.monotonic()
+        # A store retried past its bound raises StoreUnavailableError; a configuration error is
+        # InvalidArgumentError, raised without retrying (the type is the check, not the time taken).
         for anonymous in (TlsFiles(tls.ca), TlsFiles()):  # no client certificate; then not even the CA
             with pytest.raises(InvalidArgumentError, match="TLS handshake with etcd at 127.0.0.1.* --store-cert"):
                 EtcdKeyValueStore.for_job(cluster.url, "tls", tls=anonymous).get("owner")
-        assert time.monotonic() - started < 5
     finally:
         cluster.close()

@@ -105,7 +105,7 @@ def _restart_baseline(out: Path, checkpoint: Path, model_args: List[str], timeou
 def _bitwise(reference: Path, faulty: Path) -> dict:
     import torch
 
-    a, b = torch.load(reference), torch.load(faulty)
+    a, b = torch.load(reference, map_location="cpu"), torch.load(faulty, map_location="cpu")
     different = [k for k in a if k not in b or not torch.equal(a[k], b[k])]
     return {"equal": not different and a.keys() == b.keys(), "tensors": len(a), "different": different,
             "parameters": sum(t.numel() for t in a.values())}
@@ -122,10 +122,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--out", default="peerstate-demo", help="the report folder")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--device", default="cpu", help="where the workers keep the model: cpu, or cuda (all on "
+                        "the one GPU, process groups over gloo; bench/gpu/check.sh)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    model_args = ["--seed", str(args.seed), "--width", str(args.width), "--layers", str(args.layers)]
+    model_args = ["--seed", str(args.seed), "--width", str(args.width), "--layers", str(args.layers),
+                  "--device", args.device]
     faults = list(args.inject)
     if args.kill_worker_at >= 0:
         faults.append(f"kill:rank=1:step={args.kill_worker_at}")

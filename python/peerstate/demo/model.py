@@ -93,6 +93,8 @@ def build(vocabulary_size: int, width: int, layers: int, seed: int):
 def train_step(ddp: nn.Module, optimizer, scheduler, batches: Batches, step: int, rank: int) -> float:
     """One step of rank ``rank`` on batch ``step``; returns its loss."""
     x, y = batches(step, rank)
+    device = next(ddp.parameters()).device
+    x, y = x.to(device), y.to(device)
     loss = F.cross_entropy(ddp(x).view(-1, len(batches.vocabulary)), y.view(-1))
     optimizer.zero_grad()
     loss.backward()

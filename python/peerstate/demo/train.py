@@ -24,9 +24,18 @@ parser.add_argument("--width", type=int, default=192)
 parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--restart-from", default=None, help="baseline: load this checkpoint folder, run one step")
+parser.add_argument("--device", default="cpu", help="where the model and its optimizer state live (cuda: device "
+                    "snapshots through the CUDA copy engine)")
+parser.add_argument("--backend", default="gloo", help="the process groups' backend (gloo also serves CUDA "
+                    "tensors, and several ranks on one GPU, which NCCL refuses)")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
+if args.device.startswith("cuda"):  # bitwise on a GPU: deterministic kernels, the math attention
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
 batches = Batches(corpus(seed=args.seed), context=64, batch=args.batch, seed=args.seed)
 
 
@@ -35,10 +44,10 @@ if args.restart_from:  # the classic way: a fresh process loads a checkpoint fro
 
     started = time.time()
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.backend)
     model, optimizer, scheduler = build(len(batches.vocabulary), args.width, args.layers, args.seed)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = torch.load(os.path.join(args.restart_from, f"rank{rank}.pt"))
+    ddp = torch.nn.parallel.DistributedDataParallel(model.to(args.device))
+    state = torch.load(os.path.join(args.restart_from, f"rank{rank}.pt"), map_location=args.device)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -50,8 +59,9 @@ if args.restart_from:  # the classic way: a fresh process loads a checkpoint fro
 
 import peerstate  # noqa: E402
 
-job = peerstate.Job()
+job = peerstate.Job(backend=args.backend)
 model, optimizer, scheduler = build(len(batches.vocabulary), args.width, args.layers, args.seed)
+model.to(args.device)  # in place: the optimizer keeps the same parameters
 job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=True)  # a spare waits here
 ddp = job.ddp(model)
 print(f"rank {job.rank} pid {os.getpid()}", flush=True)
