@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from peerstate.control.kvstore import TorchKeyValueStore  # noqa: E402
 from peerstate.worker.process_groups import ProcessGroups  # noqa: E402
-from peerstate.worker.rebuild import new_rebuildable_ddp  # noqa: E402
+from peerstate.worker.rebuild import new_rebuildable_ddp, reset_fsdp  # noqa: E402
 
 
 @pytest.fixture
@@ -277,3 +277,24 @@ def test_the_abortable_reduction_gives_ddps_own_gradients_bit_for_bit(monkeypatc
             peer.kill()
             peer.wait()
         groups.destroy()
+
+
+def test_an_fsdp_model_that_never_ran_an_iteration_is_reset_for_a_new_epoch(epochs):
+    # A replacement joins in epoch 1 and a regroup (epoch 2) comes before its first step:
+    # its fully_shard model never ran, and FSDP's own reset_iter_state raised (AttributeError:
+    # no all_gather_state) in every replacement after it (a fresh clone under load).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    epochs(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    epochs(2)
+    reset_fsdp(model)
+    model(torch.ones(3, 4)).sum().backward()  # the reset model runs its first iteration
+    epochs(3)
+    reset_fsdp(model)  # and one that ran resets as before
+    assert all(p.grad is not None for p in model.parameters())

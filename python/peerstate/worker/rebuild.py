@@ -383,6 +383,10 @@ def _reset_fsdp_part(model: Any) -> None:
             info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
         if getattr(info, "replicate_mesh_dim", None) is not None:
             info.replicate_process_group = info.mesh.get_group(info.replicate_mesh_dim)
+    if model._get_fsdp_state()._is_root is None:
+        # Never ran an iteration (a replacement whose first step a regroup came before): it
+        # has no iteration state, and FSDP's reset would read a comm context not yet made.
+        return
     try:
         model.reset_iter_state()
     except Exception:  # noqa: BLE001 - it waits on the aborted iteration's collectives, which
