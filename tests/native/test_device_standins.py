@@ -57,11 +57,12 @@ def test_a_planted_bug_in_the_engine_or_its_chunk_offsets_is_caught(drivers, dri
     assert result.returncode == 1 and symptom in result.stderr, result.stdout + result.stderr
 
 
-def nccl_pair(build: Path, tmp_path: Path, driver: str, scenario: str, delay_us: int = 0):
+def nccl_pair(build: Path, tmp_path: Path, driver: str, scenario: str, hold_after: int = 0):
     """Rank 0 (sender) and rank 1 (receiver) of ``scenario``; returns both processes,
-    started, with their output going to files in ``tmp_path``."""
+    started, with their output going to files in ``tmp_path``. ``hold_after``: the
+    sender stops after that many chunks landed, until its peer goes away."""
     env = dict(os.environ, PEERSTATE_NCCL_LIBRARY=str(build / "libnccl_standin.so"),
-               PEERSTATE_NCCL_STANDIN_DELAY_US=str(delay_us))
+               PEERSTATE_NCCL_STANDIN_HOLD_AFTER=str(hold_after))
     idfile = tmp_path / "unique_id"
     processes = []
     for role in ("send", "recv"):
@@ -83,8 +84,8 @@ def output(tmp_path: Path, role: str) -> str:
 def pair(drivers, tmp_path):
     started = []
 
-    def start(driver: str, scenario: str, delay_us: int = 0):
-        started.extend(nccl_pair(drivers, tmp_path, driver, scenario, delay_us))
+    def start(driver: str, scenario: str, hold_after: int = 0):
+        started.extend(nccl_pair(drivers, tmp_path, driver, scenario, hold_after))
         return started
 
     yield start
@@ -102,7 +103,7 @@ def test_the_nccl_transport_moves_every_chunk_to_its_offset_between_two_processe
 
 
 def test_an_abort_in_the_middle_of_a_transfer_gives_every_chunk_back_and_fails_the_peer(pair, tmp_path):
-    sender, receiver = pair("nccl_driver", "abort", delay_us=50_000)  # 9 chunks, 50 ms apart
+    sender, receiver = pair("nccl_driver", "abort", hold_after=2)  # of 9 chunks
     assert receiver.wait(timeout=120) == 0, output(tmp_path, "recv")
     assert "FIRST" in output(tmp_path, "recv") and "RESULT 10 nccl transport aborted" in output(tmp_path, "recv")
     assert sender.wait(timeout=120) == 0, output(tmp_path, "send")
@@ -110,7 +111,7 @@ def test_an_abort_in_the_middle_of_a_transfer_gives_every_chunk_back_and_fails_t
 
 
 def test_a_sender_killed_in_the_middle_of_a_transfer_fails_the_receive_instead_of_hanging_it(pair, tmp_path):
-    sender, receiver = pair("nccl_driver", "killed", delay_us=50_000)
+    sender, receiver = pair("nccl_driver", "killed", hold_after=2)
     deadline = time.monotonic() + 120
     while "FIRST" not in output(tmp_path, "recv"):
         assert receiver.poll() is None and time.monotonic() < deadline, output(tmp_path, "recv")

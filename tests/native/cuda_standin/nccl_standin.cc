@@ -13,8 +13,11 @@
 // completes when the receiver has the bytes (an acknowledgement per message);
 // a length that differs from the matching receive's, or a peer gone, sets the
 // communicator's asynchronous error and leaves the stream operation hanging
-// until ncclCommAbort, as a failed NCCL kernel does; PEERSTATE_NCCL_STANDIN_DELAY_US
-// delays each send (to land an abort in the middle of a transfer).
+// until ncclCommAbort, as a failed NCCL kernel does. For tests of a transfer cut
+// part way: PEERSTATE_NCCL_STANDIN_HOLD_AFTER=n makes a sender stop after its n-th
+// message has landed and hold until its peer goes away (so an abort or a kill
+// lands in the middle of the transfer whatever the machine's load);
+// PEERSTATE_NCCL_STANDIN_DELAY_US delays each send.
 // Not modelled: collectives, devices, NVLink/IB transports, ncclCommInitRank's
 // non-blocking config, and the bandwidth of anything.
 #include <arpa/inet.h>
@@ -185,10 +188,19 @@ void run_launch(void* arg) {
   for (const Op& op : launch->ops) lanes[{op.peer, op.send}].push_back(op);
   const char* env = std::getenv("PEERSTATE_NCCL_STANDIN_DELAY_US");
   const long delay = env != nullptr ? std::atol(env) : 0;
+  const char* hold_env = std::getenv("PEERSTATE_NCCL_STANDIN_HOLD_AFTER");
+  const long hold_after = hold_env != nullptr ? std::atol(hold_env) : 0;
   std::vector<std::thread> threads;
   for (auto& lane : lanes) {
-    threads.emplace_back([comm, delay, &lane] {
+    threads.emplace_back([comm, delay, hold_after, &lane] {
+      long sent = 0;
       for (const Op& op : lane.second) {
+        if (op.send && hold_after > 0 && sent == hold_after) {
+          const int fd = comm->out[static_cast<size_t>(op.peer)];
+          readable_within(fd, 120000);  // the peer's end closing (an abort, a kill) makes it readable
+          return comm->fail(ncclRemoteError);
+        }
+        sent++;
         const uint64_t nbytes = op.nbytes;
         char ack = 1;
         if (op.send) {
