@@ -51,13 +51,13 @@ def run(tmp_path, assets, layout, kill=None, validate_every=0):
 
 # The pipeline also validates every 4 steps (inside the guard, through the schedule built
 # again after the recovery): the same losses as the fault-free run's at every step.
-# pp_fsdp: KNOWN FAILING since 2026-12-05 in fresh environments (also with the code of 72c7ad4,
-# whose CI run passed it): after the kill at step 4, the ranks of pipeline stage 1 (2 and the
+# pp_fsdp: KNOWN INTERMITTENT FAILURE (4 of 5 runs on 2026-12-05, loaded or not; also with the
+# code of 72c7ad4, whose CI run passed it): after the kill at step 4, the ranks of pipeline stage 1 (2 and the
 # replacement 3) do not reach step 4's collective for 30 s, a regroup follows, and the job ends
 # with one recovery of epoch 2 instead of epoch 1's. Not diagnosed yet (see the stop's note); the
 # case still runs, and an XPASS says when it works again.
 PP_FSDP_STALL = pytest.mark.xfail(reason="stage-1 ranks stall for 30 s after the replacement joins (regroup); "
-                                  "under investigation", strict=False)
+                                  "intermittent, under investigation", strict=False)
 
 
 @pytest.mark.parametrize("layout, kill, validate_every", [
