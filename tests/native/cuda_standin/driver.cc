@@ -83,13 +83,15 @@ struct Buffers {
   }
 };
 
-std::unique_ptr<SnapshotStore> open_store() {
+// A store with `buffers` registered.
+std::unique_ptr<SnapshotStore> open_store(const Buffers& buffers) {
   SnapshotStoreOptions options;
   options.chunk_bytes = 512u << 10;
   options.max_versions = 3;
   options.threads = 2;
   std::unique_ptr<SnapshotStore> store;
   check_ok(SnapshotStore::create(options, &store), "create");
+  if (store) check_ok(store->register_buffers(buffers.registration()), "register");
   return store;
 }
 
@@ -125,8 +127,7 @@ void snapshots(SnapshotStore& store, Buffers& buffers, int64_t upto) {
 
 int scenario_snapshots() {
   Buffers buffers;
-  auto store = open_store();
-  check_ok(store->register_buffers(buffers.registration()), "register");
+  auto store = open_store(buffers);
   snapshots(*store, buffers, 12);
   check(store->committed_versions().size() == 3, "three versions kept");
   return 0;
@@ -134,8 +135,7 @@ int scenario_snapshots() {
 
 int scenario_restore() {
   Buffers buffers;
-  auto store = open_store();
-  check_ok(store->register_buffers(buffers.registration()), "register");
+  auto store = open_store(buffers);
   snapshots(*store, buffers, 3);
   buffers.fill(99);  // the live buffers move on
   cudaStreamSynchronize(buffers.stream);
@@ -160,8 +160,7 @@ int scenario_restore() {
 
 int scenario_stream_error() {
   Buffers buffers;
-  auto store = open_store();
-  check_ok(store->register_buffers(buffers.registration()), "register");
+  auto store = open_store(buffers);
   snapshots(*store, buffers, 1);
   buffers.fill(2);
   standin_fail_copy(3);
@@ -178,8 +177,7 @@ int scenario_stream_error() {
 int scenario_close() {
   {
     Buffers buffers;
-    auto store = open_store();
-    check_ok(store->register_buffers(buffers.registration()), "register");
+    auto store = open_store(buffers);
     snapshots(*store, buffers, 4);
     check(standin_read_counters().host_registrations > 0, "the store's regions are registered while it holds them");
     check_ok(store->close(), "close");
