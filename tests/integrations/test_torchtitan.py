@@ -51,17 +51,8 @@ def run(tmp_path, assets, layout, kill=None, validate_every=0):
 
 # The pipeline also validates every 4 steps (inside the guard, through the schedule built
 # again after the recovery): the same losses as the fault-free run's at every step.
-# pp_fsdp: KNOWN INTERMITTENT FAILURE (4 of 5 runs on 2026-12-05, loaded or not; also with the
-# code of 72c7ad4, whose CI run passed it): after the kill at step 4, the ranks of pipeline stage 1 (2 and the
-# replacement 3) do not reach step 4's collective for 30 s, a regroup follows, and the job ends
-# with one recovery of epoch 2 instead of epoch 1's. Not diagnosed yet (see the stop's note); the
-# case still runs, and an XPASS says when it works again.
-PP_FSDP_STALL = pytest.mark.xfail(reason="stage-1 ranks stall for 30 s after the replacement joins (regroup); "
-                                  "intermittent, under investigation", strict=False)
-
-
 @pytest.mark.parametrize("layout, kill, validate_every", [
-    ("hsdp", 2, 0), ("fsdp_tp", 1, 0), pytest.param("pp_fsdp", 3, 4, marks=PP_FSDP_STALL)])
+    ("hsdp", 2, 0), ("fsdp_tp", 1, 0), ("pp_fsdp", 3, 4)])
 def test_torchtitans_trainer_recovers_a_killed_rank_bitwise(tmp_path, assets, layout, kill, validate_every):
     reference, validated = run(tmp_path / "reference", assets, layout, validate_every=validate_every)
     final, validated_after_kill = run(tmp_path / "killed", assets, layout, kill=kill, validate_every=validate_every)

@@ -89,16 +89,16 @@ def test_formation_timeouts_in_a_row_that_no_loss_explains_raise_the_timeout(joi
 
 
 def test_a_recovery_forms_under_a_shorter_connect_timeout_that_doubles_after_each_late_member(joiner, monkeypatch):
-    """A member killed in a recovery's formation holds the others five connect timeouts
-    (gloo's wait for a peer to connect): a recovery forms under a shorter one than the
-    job's, and a formation that times out with nobody lost (a slow machine) doubles it."""
+    """A member late to a recovery's formation holds the others until the formation is
+    given up, one connect timeout with no group formed: a recovery gives up after a
+    shorter one than the job's, and a formation that times out with nobody lost (a slow
+    machine) doubles it."""
     monkeypatch.setattr(joiner_module, "FORMATION_GRACE", 0.05)
     joiner.groups.connect_timeout = 1.6  # the job's, the ceiling
     joiner.recovery_connect_timeout = 0.1
     started = time.monotonic()
     with pytest.raises(Superseded):
         joiner._form(1, rank=0)
-    # gloo waits five connect timeouts for a late member: 0.5 s under the recovery's, 8 s under the job's
     assert time.monotonic() - started < 5 * 1.6  # gave up before the job's could have ended
     assert joiner.recovery_connect_timeout == 0.2
     for epoch, doubled in ((2, 0.4), (3, 0.8), (4, 1.6)):

@@ -179,7 +179,7 @@ def test_a_send_partly_written_when_its_peer_dies_waits_out_its_timeout_whatever
     import time
 
     kv, _ = groups
-    timed = ProcessGroups("gloo", connect_timeout=3.0)  # a send waits its gloo context's timeout: this one
+    timed = ProcessGroups("gloo", collective_timeout=3.0)  # a send waits its gloo context's timeout: this one
     with _peer(kv, 0, """
 buffer = torch.empty(16 << 20)
 work = dist.irecv(buffer, src=0)
@@ -244,7 +244,7 @@ def test_a_receive_part_read_when_its_peer_dies_waits_out_its_timeout_whatever_i
     import time
 
     kv, _ = groups
-    timed = ProcessGroups("gloo", connect_timeout=6.0)  # a receive waits its gloo context's timeout: this one
+    timed = ProcessGroups("gloo", collective_timeout=6.0)  # a receive waits its gloo context's timeout: this
     with _peer(kv, 0, """
 print("sending", flush=True)
 dist.send(torch.ones(64 << 20), dst=0)  # 256 MiB""") as peer:
@@ -335,7 +335,9 @@ def test_an_abort_ends_the_wait_for_a_member_that_died_in_the_rendezvous(groups)
     import time
 
     kv, _ = groups
-    forming = ProcessGroups("gloo", connect_timeout=10.0)  # the wait without the abort's connection: 50 s
+    # Without the abort's connection the wait ends only when the formation watch gives up
+    # (30 s here, which the assertion below tells apart), or after five group timeouts.
+    forming = ProcessGroups("gloo", connect_timeout=30.0)
     aborted = []
     with _peer(kv, 1, "raise SystemExit('not reached: the store exits first')", store="dying",
                prelude=_DIES_IN_THE_RENDEZVOUS + _BARRIER) as peer:
@@ -379,6 +381,62 @@ print(int(total), flush=True)""", prelude=_BARRIER) as peer:
         finally:
             forming.destroy()
 
+
+
+# Both ranks of the test below: the default group, a declared subgroup and a declared
+# mesh's group, each formed by form() under a connect timeout far shorter than the wait.
+_PIPELINE_MEMBER = """
+import sys, time, torch, torch.distributed as dist
+from peerstate.control.kvstore import TorchKeyValueStore
+from peerstate.worker.meshes import DeclaredMesh
+from peerstate.worker.process_groups import ProcessGroups, Subgroup
+rank, kv = int(sys.argv[2]), TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=60)
+groups = ProcessGroups("gloo", collective_timeout=30.0, connect_timeout=0.3)
+subgroup, mesh = Subgroup([0, 1], {}), DeclaredMesh("cpu", (2,), ("pp",))
+groups.add(subgroup, timeout=30)
+groups.add(mesh, timeout=30)
+kv.add("ready", 1)
+kv.wait(["go"], timeout=120)
+groups.form(kv, 1, rank=rank, world_size=2, timeout=60)
+for name, group in (("default", None), ("subgroup", subgroup.group), ("mesh", mesh.get_group("pp"))):
+    if rank == 1:
+        time.sleep(1.5)  # five connect timeouts late: a pipeline stage still computing
+        got = torch.zeros(4)
+        dist.recv(got, src=0, group=group)
+        print(name, int(got.sum()), flush=True)
+    else:
+        dist.send(torch.ones(4), dst=1, group=group)  # waits for the receiver
+groups.destroy()
+"""
+
+
+@pytest.mark.e2e
+def test_point_to_point_waits_last_the_collective_timeout_not_the_connect_timeout(groups):
+    # gloo's sends and receives wait for the timeout their group was created under, and
+    # set_timeout does not reach them: a group formed under a recovery's 0.5 s connect
+    # timeout failed every pipeline send whose receiver came later than that (torchtitan's
+    # pipeline, the step after a recovery: "Timed out waiting 500ms for send").
+    import subprocess
+    import sys
+    import time
+
+    kv, _ = groups
+    members = [subprocess.Popen([sys.executable, "-c", _PIPELINE_MEMBER, str(kv.port), str(rank)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 120
+        while int(kv.add("ready", 0)) < 2:  # both imported torch: they reach form() together
+            assert all(m.poll() is None for m in members), [m.communicate() for m in members]
+            assert time.monotonic() < deadline, "the members did not start"
+            time.sleep(0.05)
+        kv.set("go", b"")
+        outputs = [m.communicate(timeout=120) for m in members]
+        assert [m.returncode for m in members] == [0, 0], outputs
+        assert outputs[1][0].split("\n")[:3] == ["default 4", "subgroup 4", "mesh 4"], outputs
+    finally:
+        for member in members:
+            member.kill()
+            member.wait()
 
 _MESH_MEMBER = """
 from peerstate.worker.meshes import DeclaredMesh
@@ -444,10 +502,10 @@ def test_the_default_group_is_peerstates(groups):
 
 
 def test_after_an_abort_a_gloo_wait_gives_up_within_a_second(groups):
-    # A pipeline schedule waits on its sends one after the other, and a send no abort wakes
-    # waits out its timeout: after an abort, each later wait must be short, or they add up
-    # past the abort deadline (seen: a 1F1B stage exited at the deadline, holding the only
-    # replica of the rank that was killed).
+    # A loop may wait on collectives one after the other, and a send no abort wakes waits
+    # out its timeout: after an abort, each later collective's wait must be short, or they
+    # add up past the abort deadline (seen: a 1F1B stage exited at the deadline, holding
+    # the only replica of the rank that was killed).
     import datetime
 
     from peerstate.worker.process_groups import AFTER_ABORT_WAIT

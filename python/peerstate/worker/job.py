@@ -118,15 +118,15 @@ class Job:
             ``process_groups``): raise it if ranks wait longer on each other.
             A collective that times out while every rank lives (a busy rank)
             makes the job regroup at the last common step with twice the
-            timeout, said on stderr (``regroup``). And a gloo group is created
-            under ``min(abort_timeout / 10, FORM_CONNECT_TIMEOUT)`` (2 s) at the
-            start and under 0.5 s at most in a recovery
-            (``RECOVERY_CONNECT_TIMEOUT``): a member that is late holds the
-            others up to five times that (gloo's connect wait; one that died is
-            ended by the next epoch's abort); a formation that times out with
-            no member lost
-            (one was late) makes the same members form it again in a new epoch
-            (``EpochJoiner._form``).
+            timeout, said on stderr (``regroup``). Point-to-point waits (a
+            pipeline's sends and receives) wait as long. And a gloo group's
+            formation is given up when it completes no group for
+            ``min(abort_timeout / 10, FORM_CONNECT_TIMEOUT)`` (2 s) at the start,
+            or 0.5 s at most in a recovery (``RECOVERY_CONNECT_TIMEOUT``): a
+            member that is late holds the others that long (one that died is
+            ended by the next epoch's abort); a formation that times out with no
+            member lost (one was late) makes the same members form it again in
+            a new epoch (``EpochJoiner._form``).
         data_parallel_shares: with ``track(data_parallel=...)``, how many shares the
             data-parallel state is split into for snapshots (``DataParallelShares``):
             the i-th rank of a node snapshots share i % shares. Default: one share

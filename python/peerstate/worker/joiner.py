@@ -31,19 +31,17 @@ from peerstate.worker.step_boundary import StepBoundary, reserve_replicas
 from peerstate.worker.tracked_state import TrackedState
 
 
-# A gloo group of an epoch is created under this timeout at most (Job: the smaller of it and
-# abort_timeout / 10). The members reach the formation together, after the join's barrier,
-# and forming takes milliseconds; a member that dies in it holds the others until the
-# epoch that replaces it aborts the formation (the abort ends gloo's wait for a peer that
-# was to connect: see process_groups), or five times this if no epoch does (a member that
-# is late, not lost).
+# A gloo formation that completes no group for this long is given up (Job: the smaller of
+# it and abort_timeout / 10). The members reach the formation together, after the join's
+# barrier, and forming takes milliseconds; a member that dies in it is ended sooner, by the
+# abort of the epoch that replaces it (see process_groups).
 FORM_CONNECT_TIMEOUT = 2.0
-# A recovery's formation starts under this one instead: a member killed in the middle of it
-# (a second kill during a recovery) would hold the others five times FORM_CONNECT_TIMEOUT
-# with no step, while a formation takes ~0.1 s at the median and ~0.3 s at most on a
-# loaded 2-core machine (the members' arrival included). It doubles after each formation
-# timeout that no loss explains (a slower machine), up to FORM_CONNECT_TIMEOUT. At epoch 0
-# a timeout stops the job, so that formation takes the whole FORM_CONNECT_TIMEOUT.
+# A recovery's formation is given up after this instead: a member killed in the middle of
+# it (a second kill during a recovery) held the others with no step until its epoch's
+# abort, while a formation takes ~0.1 s at the median and ~0.3 s at most on a loaded 2-core
+# machine (the members' arrival included). It doubles after each formation timeout that no
+# loss explains (a slower machine), up to FORM_CONNECT_TIMEOUT. At epoch 0 a timeout stops
+# the job, so that formation takes the whole FORM_CONNECT_TIMEOUT.
 RECOVERY_CONNECT_TIMEOUT = 0.5
 # After a formation timed out, how long a member waits for a newer epoch before it asks
 # for a regroup: a killed member's failure is declared in milliseconds. (A frozen one's

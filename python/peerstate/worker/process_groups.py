@@ -43,12 +43,19 @@ or forms a group that form() then refuses (AbortedError). Pairs already
 connected keep theirs: gloo parks a connection nobody waits for until the
 group's teardown. Listeners are recognised by inode, as the connected sockets
 are: sockets opened since form() began that accept connections.
-The connect timeout remains the bound when no abort comes (a member that is
-late rather than dead): a gloo group is created under it (form()'s,
-``connect_timeout`` by default) and given its real timeout once formed. That
-is safe because form() is only called when every member has reported for the
-epoch (``Job``'s join is a barrier): the members reach it together, and
-forming takes milliseconds; one that comes late makes the others regroup
+When no abort comes (a member that is late rather than dead), the connect
+timeout is the bound: form() gives a rendezvous up when it completes no group
+for that long (``gloo_rendezvous.FormationWatch``, which ends its waits the
+way an abort does). The group's own timeout cannot be that bound: gloo keeps
+the timeout a group is created under as its context's, which every
+point-to-point wait uses (a pipeline's sends and receives; ``set_timeout``
+reaches only the collectives), so a group created under a short connect
+timeout failed every pipeline send that waited longer than that for its
+peer (torchtitan's pipeline after a recovery: 0.5 s). A gloo group is
+therefore created under its collective wait. A short bound is safe because
+form() is only called when every member has reported for the epoch
+(``Job``'s join is a barrier): the members reach it together, and forming
+takes milliseconds; one that comes late makes the others regroup
 (``EpochJoiner._form``, which also picks the connect timeout).
 
 Two gloo operations no socket shutdown can wake. The receiving one: a
@@ -67,27 +74,29 @@ collective waits in ``UnboundBuffer::waitSend`` for its timeout, whatever is
 shut down (seen in the demo after a node loss: a ring allreduce's send to a
 killed rank). So gloo groups get ``collective_timeout``, shorter than the
 Job's abort deadline: such a collective fails on its own, and its rank
-recovers with its state, instead of exiting at the deadline. A wait reads its
-group's timeout when it starts, so an abort also sets every group's to
-``AFTER_ABORT_WAIT``: a loop that then waits on more operations in turn (a
-pipeline schedule's sends, each possibly stuck the same way) gives up on each
-within a second instead of adding their timeouts up past the deadline.
+recovers with its state, instead of exiting at the deadline. A collective
+reads its group's timeout when it starts, so an abort also sets every group's
+to ``AFTER_ABORT_WAIT``: a loop that then runs more collectives in turn, each
+possibly stuck the same way, gives up on each within a second instead of
+adding their timeouts up past the deadline. A point-to-point wait reads its
+group's gloo context timeout, which nothing changes once the group is formed
+(the collective timeout, see above): a pipeline schedule's send stuck that way
+waits it out, and the operations it starts after the abort, on pairs whose
+sockets were shut down, fail at once.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
-import os
-import socket
-import struct
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
 
 from peerstate.control import keys
 from peerstate.control.environment import SCRIPT_DEFAULT_GROUP
 from peerstate.errors import AbortedError, InvalidArgumentError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
+from peerstate.worker.gloo_rendezvous import FormationWatch, end_connect_waits, shutdown, socket_inodes
 from peerstate.worker.meshes import DeclaredMesh
 
 AFTER_ABORT_WAIT = 1.0  # seconds a gloo wait that starts after an abort may take (ProcessGroups.abort)
@@ -97,21 +106,6 @@ _setting_own_wait = threading.local()  # set while this module sets a timeout (s
 def setting_own_wait() -> bool:
     """Whether the calling thread is inside peerstate's own setting of a group's timeout."""
     return getattr(_setting_own_wait, "active", False)
-
-
-def _open_sockets() -> Iterator[Tuple[int, str]]:
-    """(descriptor, "socket:[inode]") for every socket this process has open now."""
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile (or the listdir's own descriptor)
-        if link.startswith("socket:"):
-            yield int(fd), link
-
-
-def _socket_inodes() -> Set[str]:
-    return {inode for _, inode in _open_sockets()}
 
 
 class Subgroup:
@@ -147,10 +141,10 @@ class ProcessGroups:
         ``collective_timeout``: seconds a collective may wait; declared subgroups whose
         options set their own timeout keep it. None: the ``timeout`` given to form().
 
-        ``connect_timeout``: the timeout the groups of form() are created under; a pair
-        whose peer died mid-rendezvous waits five times this unless an abort ends it.
-        Only for members that reach form() together (see the module docstring).
-        None: form()'s ``timeout``."""
+        ``connect_timeout``: form() gives a rendezvous up when it completes no group for
+        this long. Only for members that reach form() together (see the module
+        docstring). None: gloo's own wait bounds it (the group's timeout, five times
+        that for a peer that was to connect)."""
         self.backend = backend
         self.default_collective_timeout = collective_timeout
         self.collective_timeout = collective_timeout  # this epoch's: a regroup's plan raises it
@@ -170,20 +164,20 @@ class ProcessGroups:
 
     def form(self, kv, epoch: int, rank: int, world_size: int, timeout: float,
              connect_timeout: Optional[float] = None) -> None:
-        """Join the epoch's group through the job's store ``kv`` (a KeyValueStore; blocks
-        until every rank joins, ``timeout``, or an abort for a newer epoch: then
-        AbortedError). With gloo, a member that dies in the rendezvous holds it up to
-        five times the connect timeout (``connect_timeout``, or the one this object
-        was made with) unless an abort ends it."""
+        """Join the epoch's group, then form the declared subgroups and meshes, through the
+        job's store ``kv`` (a KeyValueStore; blocks until every rank joins, ``timeout``,
+        or an abort for a newer epoch: then AbortedError). With gloo, a rendezvous that
+        completes no group for the connect timeout (``connect_timeout``, or the one
+        this object was made with) is given up: PeerstateTimeoutError."""
         import torch.distributed as dist
 
         self.destroy()
-        before = _socket_inodes()
+        before = socket_inodes()
         rendezvous = kv.rendezvous_store()
         with self._lock:
             if self._abort_epoch > epoch:
                 raise AbortedError(f"epoch {self._abort_epoch} began before the group of epoch {epoch} formed")
-            self._forming = _socket_inodes() - before  # a TCPStore clone's connection, shut by an abort
+            self._forming = socket_inodes() - before  # a TCPStore clone's connection, shut by an abort
             self._rendezvous = rendezvous              # an etcd one is interrupted instead
             self._forming_since, self._forming_size, self._forming_epoch = before, world_size, epoch
         # torch names the default group after a per-process counter, reset only when a
@@ -191,30 +185,63 @@ class ProcessGroups:
         # and this rank would then wait under another name than a fresh spare's.
         dist.distributed_c10d._world.group_count = 0
         connect = connect_timeout or self.connect_timeout
-        connect = timeout if self.backend != "gloo" or connect is None else connect
+        # A gloo group keeps the timeout it is created under for its point-to-point waits
+        # (a pipeline's sends: set_timeout reaches only the collectives), so it is created
+        # under its collective wait, and the watch bounds the rendezvous instead.
+        wait = self.collective_timeout or timeout
+        gloo = self.backend == "gloo"
+        watch = FormationWatch(connect if gloo else None, lambda: len(dist.distributed_c10d._world.pg_names),
+                               lambda: self._give_up_forming(epoch))
         try:
-            prefixed = dist.PrefixStore(keys.process_group_prefix(epoch), rendezvous)
-            dist.distributed_c10d.init_process_group(  # not dist.init_process_group: see claim_default_group
-                self.backend, store=prefixed, rank=rank, world_size=world_size,
-                timeout=datetime.timedelta(seconds=connect))
-            self._set_wait(dist.distributed_c10d._get_default_group(), self.collective_timeout or timeout)
-            for declared in self._declared:
-                self._form_declared(declared, timeout, connect)
+            with watch:
+                prefixed = dist.PrefixStore(keys.process_group_prefix(epoch), rendezvous)
+                dist.distributed_c10d.init_process_group(  # not dist.init_process_group: see claim_default_group
+                    self.backend, store=prefixed, rank=rank, world_size=world_size,
+                    timeout=datetime.timedelta(seconds=wait if gloo else timeout))
+                self._set_wait(dist.distributed_c10d._get_default_group(), wait)
+                for declared in self._declared:
+                    self._form_declared(declared, timeout)
         except Exception as error:  # noqa: BLE001 - torch raises several types for a missed rendezvous
-            with self._lock:
-                self._forming, self._rendezvous, self._forming_since = set(), None, None
-                if self._abort_epoch > epoch:
-                    raise AbortedError(f"epoch {self._abort_epoch} began while the group of epoch {epoch} "
-                                       "formed") from None
+            self._end_forming(epoch)
+            if watch.gave_up:
+                raise self._gave_up_error(epoch, connect) from None
             raise PeerstateTimeoutError(
                 f"forming the process group of epoch {epoch} failed within {timeout:.0f}s: {error}") from None
+        self._end_forming(epoch)
+        if watch.gave_up:  # its waits were ended by hand: a pair may be to a peer that hung up
+            raise self._gave_up_error(epoch, connect)
+        with self._lock:
+            self.epoch = epoch
+            self._sockets = socket_inodes() - before if gloo else set()
+            self._formed = set(dist.distributed_c10d._world.pg_names)
+
+    def _end_forming(self, epoch: int) -> None:
+        """form() is over: AbortedError if a newer epoch's abort came while it ran."""
         with self._lock:
             self._forming, self._rendezvous, self._forming_since = set(), None, None
-            if self._abort_epoch > epoch:  # its waits for a dead peer were ended by hand (abort())
+            if self._abort_epoch > epoch:
                 raise AbortedError(f"epoch {self._abort_epoch} began while the group of epoch {epoch} formed")
-            self.epoch = epoch
-            self._sockets = _socket_inodes() - before if self.backend == "gloo" else set()
-            self._formed = set(dist.distributed_c10d._world.pg_names)
+
+    @staticmethod
+    def _gave_up_error(epoch: int, connect: float) -> PeerstateTimeoutError:
+        return PeerstateTimeoutError(f"forming the process group of epoch {epoch} failed: no group of it formed "
+                                     f"for {connect:g}s (the connect timeout): a member is late or lost")
+
+    def _give_up_forming(self, epoch: int) -> None:
+        """The formation watch's call: end the rendezvous of ``epoch`` if it still runs."""
+        with self._lock:
+            if self._forming_since is not None and self._forming_epoch == epoch:
+                self._end_rendezvous()
+
+    def _end_rendezvous(self) -> None:
+        """Make the rendezvous form() runs fail now (under the lock): its store connection
+        shut or interrupted, and gloo's waits for a peer to connect ended."""
+        if self._forming:
+            shutdown(self._forming)
+        if self._forming_since is not None and self.backend == "gloo":
+            end_connect_waits(self._forming_since, self._forming_size)
+        if hasattr(self._rendezvous, "interrupt"):
+            self._rendezvous.interrupt()
 
     def add(self, declared: Union[Subgroup, DeclaredMesh], timeout: float) -> None:
         """Declare a subgroup or a mesh: formed now if this epoch's group is, and in
@@ -224,11 +251,11 @@ class ProcessGroups:
         self._declared.append(declared)
         if self.epoch is None:
             return  # a spare: formed with its first epoch
-        before = _socket_inodes()
-        self._form_declared(declared, timeout, timeout)  # the ranks call add() at their own pace
+        before = socket_inodes()
+        self._form_declared(declared, timeout)  # the ranks call add() at their own pace
         with self._lock:
             if self.backend == "gloo":
-                self._sockets |= _socket_inodes() - before
+                self._sockets |= socket_inodes() - before
             self._formed = set(dist.distributed_c10d._world.pg_names)
 
     def formed(self) -> List[Any]:
@@ -260,23 +287,23 @@ class ProcessGroups:
                 "when a rank fails, and no recovery re-forms them. Create them with job.new_group(ranks) or "
                 "job.device_mesh(...) before track() instead of torch.distributed.new_group or init_device_mesh.")
 
-    def _form_declared(self, declared: Union[Subgroup, DeclaredMesh], timeout: float, connect: float) -> None:
+    def _form_declared(self, declared: Union[Subgroup, DeclaredMesh], timeout: float) -> None:
         if isinstance(declared, Subgroup):
-            self._form_subgroup(declared, timeout, connect)
+            self._form_subgroup(declared, timeout)
             return
         wait = self.collective_timeout or timeout
-        declared.form(connect if self.backend == "gloo" else None, lambda group: self._set_wait(group, wait))
+        declared.form(wait if self.backend == "gloo" else None, lambda group: self._set_wait(group, wait))
 
-    def _form_subgroup(self, subgroup: Subgroup, timeout: float, connect: float) -> None:
-        """Create ``subgroup`` under ``connect`` (gloo); then its collectives wait for the
-        subgroup's own timeout, else ``collective_timeout``, else ``timeout``."""
+    def _form_subgroup(self, subgroup: Subgroup, timeout: float) -> None:
+        """Create ``subgroup``; its gloo collectives wait for the subgroup's own timeout,
+        else ``collective_timeout``, else ``timeout`` (and it is created under that)."""
         import torch.distributed as dist
 
         own = subgroup.options.get("timeout")
         if self.backend == "gloo":
             wait = own.total_seconds() if own is not None else self.collective_timeout or timeout
             subgroup._group = dist.new_group(subgroup.ranks, **{**subgroup.options,
-                                                                "timeout": datetime.timedelta(seconds=connect)})
+                                                                "timeout": datetime.timedelta(seconds=wait)})
             if not dist.distributed_c10d._rank_not_in_group(subgroup._group):
                 self._set_wait(subgroup._group, wait)
         else:
@@ -323,16 +350,12 @@ class ProcessGroups:
             if self.epoch is not None and self.epoch >= new_epoch:
                 return
             self._abort_epoch = max(self._abort_epoch, new_epoch)
-            if self._forming:
-                _shutdown(self._forming)
-            if self._forming_since is not None and self.backend == "gloo" and new_epoch > self._forming_epoch:
-                _end_connect_waits(self._forming_since, self._forming_size)
-            if hasattr(self._rendezvous, "interrupt"):
-                self._rendezvous.interrupt()
+            if self._forming_since is None or new_epoch > self._forming_epoch:
+                self._end_rendezvous()
             if self.epoch is None:
                 return
             if self.backend == "gloo":
-                _shutdown(self._sockets)
+                shutdown(self._sockets)
                 self._fail_later_waits()
                 return
         import torch
@@ -412,53 +435,3 @@ def release_default_group() -> None:
     import torch.distributed as dist
 
     dist.init_process_group = getattr(dist.init_process_group, "__wrapped_by_peerstate__", dist.init_process_group)
-
-
-def _end_connect_waits(before: Set[str], size: int) -> None:
-    """Connect to every listening socket opened since ``before`` and write each of the
-    sequence numbers 0..``size``-1 (gloo's ``sequence_number_t``, native order), then
-    hang up: the pairs of a gloo rendezvous waiting for a dead peer to connect stop
-    waiting (see the module docstring). Never blocks long: local connections, each
-    bounded by a second."""
-    listeners = []
-    for sock in _duplicates(lambda inode: inode not in before):
-        try:
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                listeners.append((sock.family, sock.getsockname()))
-        except OSError:
-            pass  # closed meanwhile
-    for family, address in listeners:
-        for sequence in range(size):
-            try:
-                with socket.socket(family, socket.SOCK_STREAM) as hangup:
-                    hangup.settimeout(1.0)
-                    hangup.connect(address)
-                    hangup.sendall(struct.pack("=q", sequence))
-            except OSError:
-                break  # the listener closed meanwhile: its rendezvous failed already
-
-
-def _shutdown(inodes: Set[str]) -> None:
-    """shutdown(2) the connected sockets among ``inodes`` (listening ones are left alone)."""
-    for sock in _duplicates(lambda inode: inode in inodes):
-        try:
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already shut down by the peer
-
-
-def _duplicates(wanted: Callable[[str], bool]) -> Iterator[socket.socket]:
-    """A duplicate of each socket of this process whose inode ``wanted`` accepts, closed
-    once the caller is done with it (the owner's descriptor stays valid)."""
-    for fd, inode in _open_sockets():
-        if not wanted(inode):
-            continue
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue  # closed meanwhile
-        try:
-            yield sock
-        finally:
-            sock.close()
