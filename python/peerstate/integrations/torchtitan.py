@@ -42,6 +42,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.train import Trainer, main
 
 import peerstate
+from peerstate.worker import torch_private
 
 
 class PeerstateTrainer(Trainer):
@@ -115,7 +116,7 @@ class PeerstateTrainer(Trainer):
         from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 
         old = self.pp_schedule
-        stages = list(getattr(old, "_stages", None) or [old._stage])
+        stages = torch_private.pipeline_stages(old)
         group = self.parallel_dims.get_mesh("pp").get_group("pp")
         fresh = [PipelineStage(s.submod, s.stage_index, s.num_stages, s.device, group=group) for s in stages]
         self.pp_schedule = build_pipeline_schedule(self.job_config, fresh, self.loss_fn)

@@ -50,6 +50,7 @@ import contextlib
 import functools
 import math
 import os
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from peerstate.control import keys
@@ -81,6 +82,7 @@ from peerstate.worker.script_timeouts import claim_pg_timeouts, release_pg_timeo
 from peerstate.worker.unguarded import UnguardedCollectives
 from peerstate.worker.step_boundary import StepBoundary
 from peerstate.worker.step_guard import StepChecks, StepGuard
+from peerstate.worker.torch_private import untested_torch
 from peerstate.worker.tracked_state import TrackedState
 
 
@@ -153,6 +155,9 @@ class Job:
             raise InvalidArgumentError("checkpoint_every needs a checkpoint_dir")
         import torch
 
+        untested = untested_torch()
+        if untested:
+            print(f"peerstate: {untested}", file=sys.stderr, flush=True)
         self._env = env = WorkerEnvironment.from_env()
         self.world_size, self.worker = env.world_size, env.worker
         self.join_timeout, self.abort_timeout = join_timeout, abort_timeout

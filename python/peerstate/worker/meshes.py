@@ -29,10 +29,11 @@ one exists.
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from peerstate.errors import InvalidArgumentError
+from peerstate.worker import torch_private
 
 
 class DeclaredMesh:
@@ -73,29 +74,22 @@ class DeclaredMesh:
         groups are created under (None: torch's default); ``set_wait`` then gives each
         group its collective timeout. Raises RuntimeError when the groups came out
         under other names than in the first epoch (see the module docstring)."""
-        import torch.distributed.distributed_c10d as c10d
         from torch.distributed.device_mesh import init_device_mesh
 
-        default = c10d.default_pg_timeout
-        if create_timeout is not None:  # new_group() reads it when no timeout is passed
-            c10d.default_pg_timeout = datetime.timedelta(seconds=create_timeout)
-        try:
+        with _created_under(create_timeout):
             fresh = init_device_mesh(self.device_type, self.shape, mesh_dim_names=self.dim_names)
-        finally:
-            c10d.default_pg_timeout = default
         for dim in range(len(self.shape)):
             set_wait(fresh.get_group(dim))
         if self._mesh is None:
             self._mesh = fresh
-        elif list(fresh._dim_group_names) != list(self._mesh._dim_group_names):
+        elif torch_private.mesh_group_names(fresh) != torch_private.mesh_group_names(self._mesh):
             raise RuntimeError(
-                f"the re-formed device mesh {self.shape} got process groups named {fresh._dim_group_names}, not "
-                f"{self._mesh._dim_group_names}: a process group was created in this epoch before the mesh that "
-                "was not there in the first (create every group with job.new_group or job.device_mesh, before "
-                "track())")
+                f"the re-formed device mesh {self.shape} got process groups named "
+                f"{torch_private.mesh_group_names(fresh)}, not {torch_private.mesh_group_names(self._mesh)}: a "
+                "process group was created in this epoch before the mesh that was not there in the first (create "
+                "every group with job.new_group or job.device_mesh, before track())")
         else:
-            # What torch.compile resolves groups through (names outside of it).
-            getattr(self._mesh, "_pg_registry", {}).update(getattr(fresh, "_pg_registry", {}))
+            torch_private.share_mesh_groups(self._mesh, fresh)
         self._formed = True
 
 
@@ -131,17 +125,11 @@ class BuiltMeshes:
         """Run the builder for this epoch (as ``DeclaredMesh.form``); raises RuntimeError
         when it created other groups, or the same under other names, than the first time."""
         import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
 
-        existing = set(c10d._world.pg_names)
-        default = c10d.default_pg_timeout
-        if create_timeout is not None:
-            c10d.default_pg_timeout = datetime.timedelta(seconds=create_timeout)
-        try:
+        existing = set(torch_private.group_names())
+        with _created_under(create_timeout):
             fresh = self.builder()
-        finally:
-            c10d.default_pg_timeout = default
-        created = [(group, name) for group, name in c10d._world.pg_names.items() if group not in existing]
+        created = [(group, name) for group, name in torch_private.group_names().items() if group not in existing]
         for group, _ in created:
             if dist.get_backend(group) == "gloo":  # a fake backend's group has no wait to bound
                 set_wait(group)
@@ -155,6 +143,11 @@ class BuiltMeshes:
                 "created before it that was not there in the first epoch (create every group with job.new_group, "
                 "job.device_mesh or job.build_meshes, before track())")
         self._formed = True
+
+
+def _created_under(seconds: Optional[float]) -> Any:
+    """Groups created inside get ``seconds`` as their timeout (None: torch's default)."""
+    return torch_private.groups_created_under(seconds) if seconds is not None else contextlib.nullcontext()
 
 
 def replica_dimension(meshes: Sequence[Union[DeclaredMesh, BuiltMeshes]],

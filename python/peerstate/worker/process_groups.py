@@ -98,6 +98,7 @@ from peerstate.errors import AbortedError, InvalidArgumentError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
 from peerstate.worker.gloo_rendezvous import FormationWatch, end_connect_waits, shutdown, socket_inodes
 from peerstate.worker.meshes import DeclaredMesh
+from peerstate.worker import torch_private
 
 AFTER_ABORT_WAIT = 1.0  # seconds a gloo wait that starts after an abort may take (ProcessGroups.abort)
 _setting_own_wait = threading.local()  # set while this module sets a timeout (script_timeouts lets it through)
@@ -183,14 +184,14 @@ class ProcessGroups:
         # torch names the default group after a per-process counter, reset only when a
         # formed group is destroyed: a rendezvous aborted part way leaves it counted up,
         # and this rank would then wait under another name than a fresh spare's.
-        dist.distributed_c10d._world.group_count = 0
+        torch_private.reset_group_naming()
         connect = connect_timeout or self.connect_timeout
         # A gloo group keeps the timeout it is created under for its point-to-point waits
         # (a pipeline's sends: set_timeout reaches only the collectives), so it is created
         # under its collective wait, and the watch bounds the rendezvous instead.
         wait = self.collective_timeout or timeout
         gloo = self.backend == "gloo"
-        watch = FormationWatch(connect if gloo else None, lambda: len(dist.distributed_c10d._world.pg_names),
+        watch = FormationWatch(connect if gloo else None, lambda: len(torch_private.group_names()),
                                lambda: self._give_up_forming(epoch))
         try:
             with watch:
@@ -198,7 +199,7 @@ class ProcessGroups:
                 dist.distributed_c10d.init_process_group(  # not dist.init_process_group: see claim_default_group
                     self.backend, store=prefixed, rank=rank, world_size=world_size,
                     timeout=datetime.timedelta(seconds=wait if gloo else timeout))
-                self._set_wait(dist.distributed_c10d._get_default_group(), wait)
+                self._set_wait(torch_private.default_group(), wait)
                 for declared in self._declared:
                     self._form_declared(declared, timeout)
         except Exception as error:  # noqa: BLE001 - torch raises several types for a missed rendezvous
@@ -213,7 +214,7 @@ class ProcessGroups:
         with self._lock:
             self.epoch = epoch
             self._sockets = socket_inodes() - before if gloo else set()
-            self._formed = set(dist.distributed_c10d._world.pg_names)
+            self._formed = set(torch_private.group_names())
 
     def _end_forming(self, epoch: int) -> None:
         """form() is over: AbortedError if a newer epoch's abort came while it ran."""
@@ -246,8 +247,6 @@ class ProcessGroups:
     def add(self, declared: Union[Subgroup, DeclaredMesh], timeout: float) -> None:
         """Declare a subgroup or a mesh: formed now if this epoch's group is, and in
         every form()."""
-        import torch.distributed as dist
-
         self._declared.append(declared)
         if self.epoch is None:
             return  # a spare: formed with its first epoch
@@ -256,7 +255,7 @@ class ProcessGroups:
         with self._lock:
             if self.backend == "gloo":
                 self._sockets |= socket_inodes() - before
-            self._formed = set(dist.distributed_c10d._world.pg_names)
+            self._formed = set(torch_private.group_names())
 
     def formed(self) -> List[Any]:
         """The process groups formed here this epoch (the default group, declared ones)."""
@@ -267,11 +266,9 @@ class ProcessGroups:
         """Process groups of this process that peerstate did not form (created with
         ``torch.distributed.new_group`` or ``init_device_mesh`` directly): no abort
         reaches them and no recovery re-forms them."""
-        import torch.distributed as dist
-
         if self.epoch is None:
             return []
-        return [group for group in dist.distributed_c10d._world.pg_names if group not in self._formed]
+        return [group for group in torch_private.group_names() if group not in self._formed]
 
     def describe_undeclared(self) -> Optional[str]:
         """What is wrong when ``undeclared()`` finds groups (None when it finds none)."""
@@ -304,7 +301,7 @@ class ProcessGroups:
             wait = own.total_seconds() if own is not None else self.collective_timeout or timeout
             subgroup._group = dist.new_group(subgroup.ranks, **{**subgroup.options,
                                                                 "timeout": datetime.timedelta(seconds=wait)})
-            if not dist.distributed_c10d._rank_not_in_group(subgroup._group):
+            if torch_private.is_member(subgroup._group):
                 self._set_wait(subgroup._group, wait)
         else:
             subgroup._group = dist.new_group(subgroup.ranks,
@@ -314,15 +311,14 @@ class ProcessGroups:
         """How long ``group``'s gloo collectives wait (see the module docstring), or
         less where the script asked for less (``script_timeout``)."""
         if self.backend == "gloo":
-            import torch.distributed as dist
 
-            name = dist.distributed_c10d._world.pg_names.get(group)
+            name = torch_private.group_names().get(group)
             if name is not None:
                 self._waits[name] = seconds
-            set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # 2.14 renamed it
             _setting_own_wait.active = True
             try:
-                set_timeout(datetime.timedelta(seconds=min(seconds, self._asked.get(name, seconds))), group)
+                torch_private.set_group_timeout(
+                    group, datetime.timedelta(seconds=min(seconds, self._asked.get(name, seconds))))
             finally:
                 _setting_own_wait.active = False
 
@@ -333,9 +329,7 @@ class ProcessGroups:
         every re-formation of the group, so a shorter one lasts. Any other group (NCCL,
         whose abort ends a collective whatever its timeout; a group not formed here)
         gets ``seconds``."""
-        import torch.distributed as dist
-
-        name = dist.distributed_c10d._world.pg_names.get(group)
+        name = torch_private.group_names().get(group)
         if name not in self._waits:
             return seconds
         self._asked[name] = seconds
@@ -358,36 +352,20 @@ class ProcessGroups:
                 shutdown(self._sockets)
                 self._fail_later_waits()
                 return
-        import torch
-        import torch.distributed as dist
-
-        world = dist.distributed_c10d._world
-        try:
-            groups = sorted(world.pg_names, key=lambda g: world.pg_names[g], reverse=True)  # as torch's abort-all
-            nccl = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
-            nccl._group_start()
-        except Exception:  # noqa: BLE001 - destroyed meanwhile, or no NCCL backend to group the aborts
-            groups, nccl = list(world.pg_names), None
-        try:
+        with torch_private.one_nccl_call() as groups:
             for group in groups:
                 try:
                     group.abort()
                 except Exception:  # noqa: BLE001 - already destroyed or aborted
                     pass
-        finally:
-            if nccl is not None:
-                nccl._group_end()
 
     def _fail_later_waits(self) -> None:
-        """After an abort, every wait that starts on these gloo groups gives up within
-        ``AFTER_ABORT_WAIT`` seconds: a wait reads its group's timeout when it starts, so
-        the one already blocked keeps its own, but a loop that waits on several
-        operations in turn (a pipeline schedule's sends and receives, each a send that
-        no abort wakes: see the module docstring) no longer adds up their timeouts
-        past the abort deadline."""
-        import torch.distributed as dist
-
-        for group in list(dist.distributed_c10d._world.pg_names):
+        """After an abort, every collective that starts on these gloo groups gives up
+        within ``AFTER_ABORT_WAIT`` seconds: a collective reads its group's timeout when
+        it starts, so the one already blocked keeps its own, but a loop that runs
+        several in turn (each possibly stuck on a send no abort wakes: see the module
+        docstring) no longer adds up their timeouts past the abort deadline."""
+        for group in list(torch_private.group_names()):
             try:
                 self._set_wait(group, AFTER_ABORT_WAIT)
             except Exception:  # noqa: BLE001 - destroyed meanwhile
@@ -406,7 +384,7 @@ class ProcessGroups:
             declared.dissolve()
         if dist.is_initialized():
             try:
-                dist.distributed_c10d._abort_process_group()
+                torch_private.abort_all_groups()
             except Exception:  # noqa: BLE001 - fall back to the plain teardown
                 dist.destroy_process_group()
 

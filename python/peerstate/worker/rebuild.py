@@ -4,6 +4,7 @@ FSDP2 modules reset onto the re-formed group."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -13,6 +14,7 @@ from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.errors import AbortedError
 from peerstate.state.training_state import model_parts
+from peerstate.worker import torch_private
 
 
 class RebuildableDDP:
@@ -50,7 +52,6 @@ class RebuildableDDP:
         self.rebuild(init_sync, layout)
 
     def rebuild(self, init_sync: bool = False, layout: Optional[List[List[int]]] = None) -> None:
-        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
         built = self._peerstate
@@ -60,18 +61,13 @@ class RebuildableDDP:
                                             [self.__dict__.get(name) for name in self.HOLD_THE_GROUP]))
             built["reductions"] = PendingReductions()
         kept = {name: self.__dict__[name] for name in self.CARRIED if name in self.__dict__}
-        compute = dist._compute_bucket_assignment_by_size
-        if layout:
-            def settled(params: Any, limits: List[int], *args: Any, **kwargs: Any) -> Tuple[list, list]:
-                # DDP reverses what this returns, so hand it the layout reversed.
-                per_bucket = [limits[min(i, len(limits) - 1)] for i in range(len(layout))]
-                return list(reversed(layout)), list(reversed(per_bucket))
+        def settled(params: Any, limits: List[int], *args: Any, **kwargs: Any) -> Tuple[list, list]:
+            # DDP reverses what this returns, so hand it the layout reversed.
+            per_bucket = [limits[min(i, len(limits) - 1)] for i in range(len(layout))]
+            return list(reversed(layout)), list(reversed(per_bucket))
 
-            dist._compute_bucket_assignment_by_size = settled
-        try:
+        with torch_private.ddp_bucket_assignment(settled) if layout else contextlib.nullcontext():
             DistributedDataParallel.__init__(self, built["module"], init_sync=init_sync, **built["options"])
-        finally:
-            dist._compute_bucket_assignment_by_size = compute
         built.update(layout=layout, released=False)
         built["retired"] = [retired for retired in built["retired"] if not retired.quiet()]
         self.__dict__.update(kept)
@@ -371,7 +367,7 @@ def reset_fsdp(model: Any) -> None:
 def _reset_fsdp_part(model: Any) -> None:
     infos = {}
     for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
+        group = torch_private.fsdp_param_group(module)
         if group is None:
             continue
         for owner in (group, *group.fsdp_params):
@@ -383,7 +379,7 @@ def _reset_fsdp_part(model: Any) -> None:
             info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
         if getattr(info, "replicate_mesh_dim", None) is not None:
             info.replicate_process_group = info.mesh.get_group(info.replicate_mesh_dim)
-    if model._get_fsdp_state()._is_root is None:
+    if not torch_private.fsdp_ran(model):
         # Never ran an iteration (a replacement whose first step a regroup came before): it
         # has no iteration state, and FSDP's reset would read a comm context not yet made.
         return

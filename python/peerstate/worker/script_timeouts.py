@@ -21,6 +21,7 @@ import importlib
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
+from peerstate.worker import torch_private
 from peerstate.worker.process_groups import ProcessGroups, setting_own_wait
 
 # The functions (timeout, group=None) a script sets a group's timeout with, where this torch has them.
@@ -34,14 +35,13 @@ def claim_pg_timeouts(groups: ProcessGroups, on_first_cut: Callable[[str], None]
     ``release_pg_timeouts`` undoes it."""
     import torch.distributed as dist
 
-    c10d = dist.distributed_c10d
     said: List[str] = []
 
     def kept(call: str, timeout: datetime.timedelta, group: Any) -> datetime.timedelta:
         asked = timeout.total_seconds()
         allowed = groups.script_timeout(group, asked)
         if allowed < asked:
-            name = c10d._world.pg_names.get(group, "?")
+            name = torch_private.group_names().get(group, "?")
             message = (f"{call}({asked:g}s) on process group {name!r} was kept at {allowed:g}s: a gloo collective "
                        f"that waits longer can hold the training loop past Job(abort_timeout=...), where peerstate "
                        f"gives up on a recovery. Raise Job(abort_timeout=...) to let collectives wait longer.")
@@ -56,7 +56,7 @@ def claim_pg_timeouts(groups: ProcessGroups, on_first_cut: Callable[[str], None]
         def set_timeout(timeout: datetime.timedelta, group: Optional[Any] = None) -> None:
             if setting_own_wait():
                 return original(timeout, group)
-            target = c10d._get_default_group() if group is None else group
+            target = torch_private.default_group() if group is None else group
             return original(kept(call, timeout, target), group)
         return set_timeout
 

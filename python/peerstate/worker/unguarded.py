@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional
 
 from peerstate.state.training_state import rng_fingerprint
+from peerstate.worker import torch_private
 
 
 class UnguardedCollectives:
@@ -59,7 +60,7 @@ class UnguardedCollectives:
         counts = {}
         for group in self._groups():
             try:
-                counts[group] = group._get_sequence_number_for_group()
+                counts[group] = torch_private.sequence_number(group)
             except Exception:  # noqa: BLE001 - a backend that keeps no count (fake): not watched
                 continue
         return counts
