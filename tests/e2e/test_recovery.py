@@ -645,10 +645,25 @@ def test_a_script_error_that_every_replacement_meets_again_stops_the_job_loudly(
     raised = job.events("step_raised")
     assert [(e["rank"], e["step"]) for e in raised] == [(1, 8)] * 3, raised
     summary = job.agent_logs[0].read_text()
-    assert "3 of its workers have now raised in that step" in summary and "rank 1 was told to fail in step 8" \
+    assert "in step 8, and 3 of its workers have now raised there" in summary and "rank 1 was told to fail in step 8" \
         in summary, summary
     assert len(job.events("plan")) == 2, job.describe()  # the first two errors were recovered from
 
+
+
+def test_a_recovery_that_raises_in_every_replacement_stops_the_job_loudly(run):
+    # A replacement whose restore raises exits, and the next spare runs the same restore:
+    # without the count the job used up its spares, refilled, for ever, each said only as
+    # "exited with code 1".
+    job = run(nodes=[(2, 2), (2, 0)], steps=10_000, script_args=["--raise-in-restore", "1"])
+    job.wait_for_step(1, 5)
+    job.kill_rank(1)
+    assert job.wait() == [1, 1], job.describe()
+    summary = job.agent_logs[0].read_text()
+    assert "the restore of rank 1 was told to fail in its recovery" in summary and \
+        "3 of its workers have now raised there" in summary, summary
+    # The kill's epoch, then one for each of the first two replacements that raised.
+    assert [e["epoch"] for e in job.events("plan")] == [1, 2, 3], job.describe()
 
 def test_a_new_job_resumes_from_the_newest_checkpoint_of_the_same_directory(run, reference, tmp_path):
     # A first job stops after step 19 (checkpoints of steps 0, 5, 10 and 15); a new job with the

@@ -35,6 +35,9 @@ parser.add_argument("--hold-after", default=None, metavar="RANK:STEP",
 parser.add_argument("--raise-at", default=None, metavar="RANK:STEP[:always]",
                     help="RANK raises an exception in STEP, in an initial worker only (its replacement does not), "
                          "or with :always in every worker that holds RANK")
+parser.add_argument("--raise-in-restore", type=int, default=None, metavar="RANK",
+                    help="every replacement of RANK raises while its state is restored (a tracked extra's "
+                         "load_state_dict), in track()")
 parser.add_argument("--hold-gil", default=None, metavar="RANK:SECONDS",
                     help="RANK holds the GIL for SECONDS before its first step, as some of torch's setup "
                          "collectives do while they wait for a slower peer (its heartbeat thread stands still)")
@@ -139,7 +142,21 @@ if args.fsdp:
     fully_shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
-job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=args.data_parallel)
+
+
+class FailsInReplacements:
+    """A tracked extra whose restore raises in every replacement of --raise-in-restore."""
+
+    def state_dict(self):
+        return {"calls": torch.zeros(1)}
+
+    def load_state_dict(self, state):
+        if job.rank == args.raise_in_restore and os.environ["PEERSTATE_ROLE"] != "worker":
+            raise RuntimeError(f"the restore of rank {job.rank} was told to fail")
+
+
+extras = {"fails": FailsInReplacements()} if args.raise_in_restore is not None else None
+job.track(model=model, optimizer=optimizer, scheduler=scheduler, data_parallel=args.data_parallel, extras=extras)
 if args.seed_after_track:
     torch.manual_seed(job.rank)
 prefetched = [torch.randn(32, 4) * 0.01] if args.prefetch else []  # a loader that draws ahead

@@ -81,7 +81,7 @@ from peerstate.worker.resume import CheckpointResume
 from peerstate.worker.script_timeouts import claim_pg_timeouts, release_pg_timeouts
 from peerstate.worker.unguarded import UnguardedCollectives
 from peerstate.worker.step_boundary import StepBoundary
-from peerstate.worker.step_guard import StepChecks, StepGuard
+from peerstate.worker.step_guard import StepChecks, StepGuard, counting_recovery_errors
 from peerstate.worker.torch_private import untested_torch
 from peerstate.worker.tracked_state import TrackedState
 
@@ -364,7 +364,8 @@ class Job:
             part.register_step_pre_hook(lambda *_: self.boundary.start_replication())
         self.wait_for_rank()
         if self.restorer.pending is not None:
-            self.restorer.restore_pending()
+            with self._counting_recovery_errors():
+                self.restorer.restore_pending()
 
     @property
     def extras(self) -> Dict[str, Any]:
@@ -379,7 +380,8 @@ class Job:
         while True:
             if self.membership.state is MemberState.RECOVERING or self.watcher.latest.epoch != self.epoch:
                 self.aborts.loop_arrived()
-                with self.progress.setting_up() if self.progress else contextlib.nullcontext():
+                with self.progress.setting_up() if self.progress else contextlib.nullcontext(), \
+                        self._counting_recovery_errors():
                     self.joiner.recover()
             if self.next_step >= total:
                 break
@@ -392,6 +394,9 @@ class Job:
         self.report.finish(total, self.epoch)
         if self.progress:
             self.progress.finish()  # counted as finished: its death from here on is not a failure
+
+    def _counting_recovery_errors(self) -> Any:
+        return counting_recovery_errors(self.kv, self.coordinator, self.membership, lambda: self.joiner.next_step)
 
     def guard(self) -> StepGuard:
         """Context manager for one step's body: a failure inside becomes a recovery."""
@@ -434,7 +439,8 @@ class Job:
         self.events.write("spare_ready", pid=os.getpid())
         plan, rank = wait_for_assignment(self.channel, self.worker)
         self.events.write("spare_assigned", epoch=plan.epoch, rank=rank, job_store=self.kv.count.requests)
-        self._become_member(plan, rank)
+        with self._counting_recovery_errors():
+            self._become_member(plan, rank)
         return self.rank
 
     def _plan(self, epoch: int) -> RecoveryPlan:

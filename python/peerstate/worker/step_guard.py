@@ -4,15 +4,17 @@ failure seen from here, and what is checked before each step."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from peerstate.control import keys
 from peerstate.control.findings import UNGUARDED, UNGUARDED_DRAW, report_finding
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.timeline import EventLog
+from peerstate.errors import JobFailedError
 from peerstate.worker.joiner import EpochJoiner
 from peerstate.worker.membership import MemberState, Membership
 from peerstate.worker.step_boundary import StepBoundary
@@ -49,22 +51,46 @@ def raised_by_a_peer_failure(error: BaseException) -> bool:
     return False
 
 
-# Workers of one rank that raised their own error in the same step: then the job stops. Each
-# replacement replays the step; a script that fails it every time would take every spare in turn.
+# Workers of one rank that raised their own error in the same step (or in the recovery
+# before it): then the job stops. Each replacement replays the step, and runs the same
+# recovery; a script that fails there every time would take every spare in turn.
 SCRIPT_ERROR_REPEATS = 3
 
 
 def stop_if_raised_again(kv: KeyValueStore, coordinator: "Coordinator", rank: int, step: int,
-                         error: BaseException) -> None:
+                         error: BaseException, where: str = "") -> None:
     """Count the script's own error in ``step`` (in the job's store: the replacement
     that replays the step may be on another node) and stop the job at the
-    SCRIPT_ERROR_REPEATS-th: a deterministic error, which no spare can fix."""
+    SCRIPT_ERROR_REPEATS-th: a deterministic error, which no spare can fix.
+    ``where``: where in the step it was raised, for the message (its body when empty)."""
     repeats = kv.add(keys.script_errors(rank, step), 1)
     if repeats >= SCRIPT_ERROR_REPEATS:
-        coordinator.fail_job(f"rank {rank} raised {type(error).__name__}: {str(error)[:300]} in step {step}, and "
-                             f"{repeats} of its workers have now raised in that step (each replacement replayed it "
-                             "and raised again): the script's own error, which no spare can fix. The job stops "
-                             "rather than hand the rank to every spare in turn; the traceback is in the rank's log")
+        where = where or f"in step {step}"
+        coordinator.fail_job(f"rank {rank} raised {type(error).__name__}: {str(error)[:300]} {where}, and "
+                             f"{repeats} of its workers have now raised there (each replacement ran it again and "
+                             "raised again): an error no spare can fix. The job stops rather than hand the rank "
+                             "to every spare in turn; the traceback is in the rank's log")
+
+
+@contextlib.contextmanager
+def counting_recovery_errors(kv: KeyValueStore, coordinator: "Coordinator", membership: Membership,
+                             next_step: Callable[[], int]) -> Iterator[None]:
+    """Around a member's recovery (its join, restore and rebuild, and for a replacement
+    the script's own ``load_state_dict``s it calls): an error that escapes ends the
+    process, and its rank's next spare runs the same recovery. Counted as a step's
+    errors are (``stop_if_raised_again``), under the step the recovery leads to, so that
+    a recovery that fails in every replacement stops the job, saying why, instead of
+    using up the spares, refilled, for ever, each said only as an exit."""
+    try:
+        yield
+    except JobFailedError:
+        raise
+    except Exception as error:
+        if membership.rank is not None:
+            step = next_step()
+            stop_if_raised_again(kv, coordinator, membership.rank, step, error,
+                                 where=f"in its recovery (to run step {step} next)")
+        raise
 
 
 class StepGuard:
