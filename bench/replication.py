@@ -15,8 +15,10 @@ default ``authenticated`` (an AES-256-GCM tag on every frame), ``encrypted``
 and ``trusted-fabric`` (no per-frame protection), so the cost of each is
 measured in the same run, as throughput and as CPU-seconds per GB (both ends)
 beside plain TCP's and beside the protection's own passes at one core's rate,
-a cost that holds on any machine. Prints a table; writes
-``bench/results/replication.json``.
+a cost that holds on any machine. Beside them, TLS 1.3 streams of the same
+bytes (Python's ``ssl``, OpenSSL's record layer; ``--no-tls`` leaves them out):
+what replacing our frames with the standard protocol would cost (issue #39).
+Prints a table; writes ``bench/results/replication.json``.
 
     python bench/replication.py            # 256 MiB and 1 GiB of state
     python bench/replication.py --quick    # 256 MiB only
@@ -44,15 +46,18 @@ from peerstate import _C
 MiB = 1 << 20
 
 
-def plain_tcp_GBps(payload: memoryview, connections: int, repeats: int) -> tuple:
+def plain_tcp_GBps(payload: memoryview, connections: int, repeats: int, tls: "TlsPair" = None) -> tuple:
     """Best rate of moving `payload` over `connections` loopback TCP streams, and the
-    CPU-seconds per GB (both ends, every thread of this process) of that best round."""
+    CPU-seconds per GB (both ends, every thread of this process) of that best round.
+    With `tls`, each stream is a TLS 1.3 connection (handshake before the timing)."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(connections)
     port = listener.getsockname()[1]
     senders = [socket.create_connection(("127.0.0.1", port)) for _ in range(connections)]
     receivers = [listener.accept()[0] for _ in range(connections)]
+    if tls is not None:
+        senders, receivers = tls.wrap(senders, receivers)
     sink = bytearray(len(payload))
     share = (len(payload) + connections - 1) // connections
     best = float("inf")
@@ -79,6 +84,60 @@ def plain_tcp_GBps(payload: memoryview, connections: int, repeats: int) -> tuple
         for s in senders + receivers + [listener]:
             s.close()
     return len(payload) / best / 1e9, best_cpu / (len(payload) / 1e9)
+
+
+class TlsPair:
+    """TLS 1.3 for both ends of the plain-TCP baseline (Python's ``ssl``: OpenSSL's
+    record layer, the library our protection uses too), under a throwaway
+    self-signed certificate made with the ``openssl`` command. What issue #39 asks
+    to weigh: a standard protocol in place of our own frames. Its cost is the
+    record layer's; the handshake (certificate here, an external PSK in a real
+    deployment) is outside the timing."""
+
+    def __init__(self, directory: Path) -> None:
+        import ssl
+        import subprocess
+
+        key, cert = directory / "key.pem", directory / "cert.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True)
+        self.server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.server.load_cert_chain(cert, key)
+        self.client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        self.client.load_verify_locations(cert)
+        for context in (self.server, self.client):
+            context.minimum_version = ssl.TLSVersion.TLSv1_3
+        self.cipher = None
+
+    def wrap(self, senders: list, receivers: list) -> tuple:
+        wrapped = {}
+
+        def server(i: int) -> None:
+            wrapped[("r", i)] = self.server.wrap_socket(receivers[i], server_side=True)
+
+        threads = [threading.Thread(target=server, args=(i,)) for i in range(len(receivers))]
+        for t in threads:
+            t.start()
+        clients = [self.client.wrap_socket(s, server_hostname="127.0.0.1") for s in senders]
+        for t in threads:
+            t.join()
+        self.cipher = clients[0].cipher()[0]
+        return clients, [wrapped[("r", i)] for i in range(len(receivers))]
+
+
+def tls_rows(size_mib: int, repeats: int, tls: TlsPair) -> list:
+    """TLS 1.3 streams of the same bytes, beside plain TCP in the same run."""
+    payload = torch.randint(0, 256, (size_mib * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    rows = []
+    for connections in (1, 4):
+        plain, plain_cpu = plain_tcp_GBps(memoryview(payload.numpy()), connections, repeats)
+        rate, cpu = plain_tcp_GBps(memoryview(payload.numpy()), connections, repeats, tls=tls)
+        rows.append(dict(case=f"stream {size_mib}MiB x{connections} conn", protection=f"TLS 1.3 ({tls.cipher})",
+                         ours_GBps=rate, limit_GBps=plain, ratio=rate / plain, ours_cpu_s_per_GB=cpu,
+                         limit_cpu_s_per_GB=plain_cpu, protection_cpu_s_per_GB=None, ceiling=None))
+    return rows
 
 
 def ceiling(protection: str, plain_GBps: float, plain_cpu_per_GB: float, tag_GBps: dict) -> float:
@@ -195,6 +254,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--protections", nargs="+", default=["authenticated", "encrypted", "trusted-fabric"],
                         help="frame protections to measure, each in this run")
+    parser.add_argument("--no-tls", action="store_true", help="leave out the TLS 1.3 streams (needs `openssl`)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replication.json"))
     args = parser.parse_args(argv)
     sizes = args.sizes or ([256] if args.quick else [256, 1024])
@@ -203,6 +263,12 @@ def main(argv=None) -> int:
     print("one core: " + ", ".join(f"{p} {rate:.2f} GB/s" for p, rate in tag_GBps.items()), flush=True)
     rows = [row for size in sizes for protection in args.protections
             for row in run(size, args.repeats, protection, tag_GBps)]
+    if not args.no_tls:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as directory:
+            tls = TlsPair(Path(directory))
+            rows += [row for size in sizes for row in tls_rows(size, args.repeats, tls)]
     # Each protection beside trusted-fabric (no per-frame protection), same case, same run.
     bare = {r["case"]: r["ours_GBps"] for r in rows if r["protection"] == "trusted-fabric"}
     for r in rows:
@@ -211,9 +277,11 @@ def main(argv=None) -> int:
           f"{'vs bare':>9}{'ours CPU s/GB':>15}{'plain':>7}{'prot.':>7}")
     for r in rows:
         versus = f"{r['vs_trusted_fabric']:>9.2f}" if r["vs_trusted_fabric"] is not None else f"{'-':>9}"
+        most = f"{r['ceiling']:>9.2f}" if r["ceiling"] is not None else f"{'-':>9}"
+        own = f"{r['protection_cpu_s_per_GB']:>7.2f}" if r["protection_cpu_s_per_GB"] is not None else f"{'-':>7}"
         print(f"{r['case']:<34}{r['protection']:>16}{r['ours_GBps']:>11.2f}{r['limit_GBps']:>16.2f}"
-              f"{r['ratio']:>8.2f}{r['ceiling']:>9.2f}{versus}{r['ours_cpu_s_per_GB']:>15.2f}"
-              f"{r['limit_cpu_s_per_GB']:>7.2f}{r['protection_cpu_s_per_GB']:>7.2f}")
+              f"{r['ratio']:>8.2f}{most}{versus}{r['ours_cpu_s_per_GB']:>15.2f}"
+              f"{r['limit_cpu_s_per_GB']:>7.2f}{own}")
     print("ceiling: the most that protection can reach against plain TCP here, from plain TCP's own CPU per GB and "
           "the protection's pass over the payload at both ends (see ceiling()). CPU s/GB: both ends, every thread "
           "of this process (ours), plain TCP's of the same bytes (plain), and the protection's own two passes at one "

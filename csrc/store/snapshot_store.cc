@@ -509,14 +509,18 @@ Status SnapshotStore::copy_region_to_buffers(const Slot& slot, const std::vector
   const Layout& layout = *slot.layout;
   // The caller checked that `layout` matches layout_, so live_ptrs_ lines up with it.
   const std::vector<unsigned char*>& targets = live_ptrs_;
+  // Non-temporal stores, as the snapshot's copy: a restored state is larger than the
+  // caches the next step would find it in, and skipping each line's read for
+  // ownership is most of what a plain memcpy loses to the limit (bench/snapshot.py).
   pool_->run(layout.chunks.size(), [&](size_t c) {
     const ChunkPlacement& chunk = layout.chunks[c];
     if (chunk.device != kHostDevice || (only != nullptr && !(*only)[c])) return;
     for (uint32_t s = 0; s < chunk.segment_count; s++) {
       const Segment& seg = layout.segments[chunk.first_segment + s];
-      std::memcpy(targets[seg.buffer] + seg.buffer_offset, slot.region.data() + seg.region_offset,
-                  seg.nbytes);
+      copy_streaming(targets[seg.buffer] + seg.buffer_offset, slot.region.data() + seg.region_offset, seg.nbytes,
+                     /*fence=*/false);
     }
+    store_fence();  // before pool_->run returns: the caller's thread reads the buffers next
   });
   std::vector<DeviceCopy> copies;
   for (const ChunkPlacement& chunk : layout.chunks) {
