@@ -4,6 +4,7 @@ in test_etcd_store.py) and the in-memory store for pure-logic tests."""
 
 import itertools
 import threading
+import time
 
 import pytest
 
@@ -122,3 +123,42 @@ def test_reading_a_missing_key_wakes_no_one_waiting_for_it(kv):
     assert outcome == {"timed out": True}
     kv.set("plan", b"p")
     assert kv.get_existing(["plan"]) == [b"p"] and kv.get("plan") == b"p"
+
+
+def test_wait_until_returns_once_the_keys_exist_and_asks_moot_only_while_they_do_not(kv):
+    asked = []
+    writer = kv.clone()
+
+    def moot():
+        asked.append(len(asked))
+        if len(asked) == 2:  # the keys appear while the waiter polls, not before it began
+            writer.set_many([("w/a", b"1"), ("w/b", b"2")])
+        return False
+
+    assert kv.wait_until(["w/a", "w/b"], time.monotonic() + 60, moot, poll=0.01) is True
+    assert len(asked) in (2, 3), asked  # the wait that began after the second ask saw them
+
+
+def test_wait_until_ends_as_soon_as_the_wait_is_moot_and_passes_on_what_moot_raises(kv):
+    calls = []
+    assert kv.wait_until(["never"], time.monotonic() + 60, lambda: calls.append(1) or len(calls) == 3,
+                         poll=0.01) is False
+    assert len(calls) == 3
+
+    class Superseded(Exception):
+        pass
+
+    def superseded():
+        raise Superseded()
+
+    with pytest.raises(Superseded):
+        kv.wait_until(["never"], time.monotonic() + 60, superseded, poll=0.01)
+
+
+def test_wait_until_raises_timeout_error_at_its_deadline_after_asking_moot(kv):
+    calls = []
+    with pytest.raises(TimeoutError):
+        kv.wait_until(["never"], time.monotonic() + 0.05, lambda: calls.append(1) or False, poll=0.01)
+    assert calls, "moot() was never asked before the deadline ended the wait"
+    kv.set("now", b"1")
+    assert kv.wait_until(["now"], time.monotonic() - 1) is True  # keys there: a past deadline does not matter

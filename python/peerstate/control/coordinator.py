@@ -264,24 +264,26 @@ class Coordinator:
         requests each time). JobFailedError when the owner neither writes nor is
         declared dead in ``timeout``."""
         key = keys.epoch_owner(epoch)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.kv.wait([done_key], timeout=poll)
-                return False
-            except TimeoutError:
-                pass
+        owner, taken = b"", False
+
+        def moot() -> bool:
+            nonlocal owner, taken
             if newer is not None and newer():
-                return False
+                return True
             owner = self.kv.get(key) or b""
-            if self.node_dead(node_of_agent(owner.decode())):
-                if self.kv.compare_set(key, owner, me.encode()) == me.encode():
-                    return True
-                continue  # another survivor took it over first: wait for it
-            if time.monotonic() > deadline:
-                raise JobFailedError(
-                    f"{owner.decode()} began epoch {epoch}'s {what} but neither wrote it nor was declared "
-                    f"lost within {timeout:.0f}s; the job cannot recover. Check that agent's node and its log.")
+            # Another survivor may take it over first: then this caller waits for that one.
+            taken = (self.node_dead(node_of_agent(owner.decode()))
+                     and self.kv.compare_set(key, owner, me.encode()) == me.encode())
+            return taken
+
+        try:
+            self.kv.wait_until([done_key], time.monotonic() + timeout, moot, poll)
+        except TimeoutError:
+            owner = self.kv.get(key) or owner
+            raise JobFailedError(
+                f"{owner.decode()} began epoch {epoch}'s {what} but neither wrote it nor was declared "
+                f"lost within {timeout:.0f}s; the job cannot recover. Check that agent's node and its log.") from None
+        return taken
 
     def assignments(self, spares: Sequence[str]) -> Dict[str, int]:
         """The ranks the latest plan gives to any of these waiting ``spares``."""

@@ -171,18 +171,15 @@ class NodeRelay:
     def _gather(self, epoch: int, ranks: List[int]) -> Optional[List[bytes]]:
         """The members' reports as they wrote them (None once moot, or past the deadline)."""
         names = [keys.member_report(epoch, r) for r in ranks]
-        deadline = time.monotonic() + self.report_timeout
-        while True:
-            try:
-                self._channel.wait(names, timeout=POLL_SECONDS)
-                return self._channel.get_existing(names)
-            except TimeoutError:
-                if self._newer(epoch):
-                    return None
-                if time.monotonic() > deadline:
-                    missing = [r for r, raw in zip(ranks, self._channel.get_many(names)) if raw is None]
-                    self._on_failure(f"ranks {missing} did not join epoch {epoch} within {self.report_timeout:.0f}s")
-                    return None
+        try:
+            if not self._channel.wait_until(names, time.monotonic() + self.report_timeout,
+                                            lambda: self._newer(epoch), poll=POLL_SECONDS):
+                return None
+        except TimeoutError:
+            missing = [r for r, raw in zip(ranks, self._channel.get_many(names)) if raw is None]
+            self._on_failure(f"ranks {missing} did not join epoch {epoch} within {self.report_timeout:.0f}s")
+            return None
+        return self._channel.get_existing(names)
 
 
 class MarksForwarder:

@@ -70,19 +70,14 @@ class InstructionWriter:
     def _gather(self, plan: RecoveryPlan, newer: Callable[[], bool]) -> Optional[Dict[int, MemberReport]]:
         nodes = sorted({node_of_worker(w) for w in plan.members.values()})
         names = [keys.node_report(plan.epoch, n) for n in nodes]
-        deadline = time.monotonic() + self.report_timeout
-        while True:
-            try:
-                self._kv.wait(names, timeout=0.25)
-                break
-            except TimeoutError:
-                if newer():
-                    return None
-                if time.monotonic() > deadline:
-                    late = [n for n, raw in zip(nodes, self._kv.get_many(names)) if raw is None]
-                    self._on_late(late, f"node{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not "
-                                        f"report for epoch {plan.epoch} within {self.report_timeout:.0f}s")
-                    return None
+        try:
+            if not self._kv.wait_until(names, time.monotonic() + self.report_timeout, newer):
+                return None
+        except TimeoutError:
+            late = [n for n, raw in zip(nodes, self._kv.get_many(names)) if raw is None]
+            self._on_late(late, f"node{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not "
+                                f"report for epoch {plan.epoch} within {self.report_timeout:.0f}s")
+            return None
         reports: Dict[int, MemberReport] = {}
         raws = self._kv.get_existing(names)
         self.last_times["read"] = time.time()

@@ -263,17 +263,14 @@ class EpochJoiner:
             needs_state, os.getpid(), regions, self.checkpoints.latest(), self.tracked.layout, stopped,
             adopted_share).encode())
         key = keys.member_instructions(epoch, node_of_worker(self.membership.worker))
-        deadline = time.monotonic() + self.join_timeout
-        while True:
-            self.check_current(epoch)
-            try:
-                self.channel.wait([key], timeout=INSTRUCTIONS_POLL)
-                break
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise JobFailedError(f"rank {rank} got no instructions for epoch {epoch} within "
-                                         f"{self.join_timeout:.0f}s: the members of some node did not all join "
-                                         "(see the agents' output)") from None
+        self.check_current(epoch)
+        try:  # check_current raises once the wait is moot
+            self.channel.wait_until([key], time.monotonic() + self.join_timeout,
+                                    lambda: self.check_current(epoch) or False, poll=INSTRUCTIONS_POLL)
+        except TimeoutError:
+            raise JobFailedError(f"rank {rank} got no instructions for epoch {epoch} within "
+                                 f"{self.join_timeout:.0f}s: the members of some node did not all join "
+                                 "(see the agents' output)") from None
         node_orders = NodeInstructions.decode(self.channel.get_existing([key])[0])
         names = [keys.member_report(epoch, r) for r in node_orders.members]
         reports = {r: MemberReport.decode(raw) for r, raw in zip(node_orders.members, self.channel.get_existing(names))}

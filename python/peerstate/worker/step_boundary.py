@@ -51,17 +51,8 @@ def reserve_replicas(kv: KeyValueStore, replication: Replication, placement: Bud
     never will), TimeoutError after ``timeout``."""
     served = placement.served_by(rank)
     names = [keys.replica_bytes(r) for r in served]
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            kv.wait(names, timeout=min(0.25, max(deadline - time.monotonic(), 0.001)))
-            break
-        except TimeoutError:
-            if moot():
-                raise AbortedError(f"rank {rank}: a new epoch began while it waited for the replica sizes of "
-                                   f"ranks {served}") from None
-            if time.monotonic() >= deadline:
-                raise
+    if not kv.wait_until(names, time.monotonic() + timeout, moot):
+        raise AbortedError(f"rank {rank}: a new epoch began while it waited for the replica sizes of ranks {served}")
     sizes = {r: int(kv.get(keys.replica_bytes(r))) for r in served}
     if background:
         threading.Thread(target=replication.reserve, args=(sizes,), name="peerstate-reserve", daemon=True).start()
