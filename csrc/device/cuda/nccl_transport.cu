@@ -81,7 +81,11 @@ class NcclTransport final : public Transport {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
     for (;;) {
       cudaError_t err = cudaStreamQuery(stream_);
-      if (err == cudaSuccess) return Status::Ok();
+      // An abort ends the communicator's work early, and the stream then completes as if
+      // it had finished: a transfer is done only if no abort came before its end was seen
+      // (abort() sets the flag before it aborts the communicator).
+      if (err == cudaSuccess)
+        return aborted_.load() ? Status(StatusCode::kAborted, "nccl transport aborted") : Status::Ok();
       if (err != cudaErrorNotReady)
         return Status(StatusCode::kCudaError, std::string("nccl transfer stream failed: ") + cudaGetErrorString(err));
       if (aborted_.load()) return Status(StatusCode::kAborted, "nccl transport aborted");
