@@ -483,6 +483,17 @@ def test_a_rank_killed_after_its_last_step_ends_the_job_normally(run, reference)
     assert "rank 2 (n1.0) was killed by SIGKILL after its last step" in summary, summary
 
 
+def test_the_store_host_waits_for_a_node_whose_finished_rank_is_slow_to_exit(run, reference):
+    # Rank 2 (node 1) lingers after its loop, past the lease timeout + 10 s the host once
+    # waited: node 0, done first, must keep the store up until node 1 is done too (a CI
+    # run under load saw node 1 "lose the store" when its rank's close() was slow).
+    job = run(script_args=["--sleep-after-loop", "20", "--sleep-after-loop-rank", "2"])
+    assert job.wait() == [0, 0], job.describe()
+    assert_bitwise(job, reference)
+    assert [e["source"] for e in job.events("agent_done")] == ["agent0", "agent1"], job.describe()
+    assert not job.events("failure_detected") and not recoveries(job)
+
+
 def test_a_failure_after_other_ranks_finished_stops_at_once_and_says_why(run):
     # Rank 2 stops after the collectives of the last step, so the others finish and leave
     # their loop: its replay would need them. The job stops at once, not at the join timeout.

@@ -44,6 +44,7 @@ parser.add_argument("--hold-gil", default=None, metavar="RANK:SECONDS",
 parser.add_argument("--hold-gil-at", default=None, metavar="RANK:STEP:SECONDS",
                     help="RANK holds the GIL for SECONDS in STEP, in an initial worker only (its heartbeat stops)")
 parser.add_argument("--sleep-after-loop", type=float, default=0.0, help="seconds between the loop and close()")
+parser.add_argument("--sleep-after-loop-rank", type=int, default=None, help="only this rank sleeps after the loop")
 parser.add_argument("--abort-timeout", type=float, default=30.0)
 parser.add_argument("--failure-grace", type=float, default=20.0)
 parser.add_argument("--replacement-busy", default=None, metavar="RANK:SECONDS",
@@ -253,7 +254,8 @@ elif args.out and job.rank == 0:
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out + ".tmp")
     os.replace(args.out + ".tmp", args.out)
 print(f"rank {job.rank} done at step {job.next_step}, {job.recoveries} recoveries", flush=True)
-time.sleep(args.sleep_after_loop)
+if args.sleep_after_loop_rank in (None, job.rank):
+    time.sleep(args.sleep_after_loop)
 if args.report_ports:
     host = os.environ["PEERSTATE_HOST"]
     print(f"rank {job.rank} listens on {len(listening_ports(host))} ports at {host}", flush=True)

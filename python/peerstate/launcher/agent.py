@@ -231,7 +231,7 @@ class Agent:
                     self.events.write("agent_done", node=self.node)
                     self.findings.say_all(f"node {self.node}'s ranks finished")
                     if self.hosts_store:
-                        self._wait_for_other_nodes()
+                        self._outlive_other_nodes()
                     return 0
                 self._follow_spares(tick.spare_states)
                 self._check_hangs(time.monotonic())  # fresh: a stale now reads a live worker as hung
@@ -239,15 +239,22 @@ class Agent:
                 self._refill()
             time.sleep(POLL_SECONDS)
 
-    def _wait_for_other_nodes(self) -> None:
-        """Node 0 hosts the store: it outlives the other agents' last reads."""
-        deadline = time.monotonic() + self.config.lease_timeout + 10
-        nodes = range(1, self.config.nnodes)
-        while time.monotonic() < deadline:
-            flags = self.kv.get_many([keys.node_done(n) for n in nodes] + [keys.node_dead(n) for n in nodes])
-            if all(flags[i] or flags[len(nodes) + i] for i in range(len(nodes))):
+    def _outlive_other_nodes(self) -> None:
+        """Node 0 hosts the store, so it stays until every other node is done or declared
+        lost: a live agent must not lose the store mid-read because its workers take
+        long to exit (a script saving its model after the loop, a close() on a loaded
+        machine). No fixed bound: while it waits it keeps its lease and its lease watch,
+        so a node that stops answering is declared lost within the lease timeout (its
+        report finds every rank finished and plans nothing), and a live one is waited
+        for as its own agent waits for its workers."""
+        others = range(1, self.config.nnodes)
+        while True:
+            flags = self.kv.get_many([keys.node_done(n) for n in others] + [keys.node_dead(n) for n in others])
+            if all(flags[i] or flags[len(others) + i] for i in range(len(others))):
                 return
-            time.sleep(0.02)
+            self.control.tick()
+            self.control.check_leases(time.monotonic())
+            time.sleep(WATCH_SECONDS)
 
     def _live_workers(self) -> List[WorkerProcess]:
         return [p for p in self.processes.values() if p.rank is not None and p.popen.poll() is None]
