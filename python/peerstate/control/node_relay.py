@@ -25,6 +25,7 @@ moved on to it too).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -232,11 +233,9 @@ class MarksForwarder:
                     return
             epoch, ranks = due
             names = [keys.recovery_marks(epoch, r) for r in ranks]
-            try:
-                self._channel.wait(names, timeout=POLL_SECONDS)
-            except TimeoutError:
-                if not self._stopping.is_set() and self._due == due:
-                    continue
+            try:  # a moot wait still publishes what is complete: one last look
+                self._channel.wait_until(names, math.inf, moot=lambda: self._stopping.is_set() or self._due != due,
+                                         poll=POLL_SECONDS)
             except Exception as error:  # noqa: BLE001 - the channel went with the agent
                 if not store_gone(error):
                     self._timelines.say(f"peerstate: the marks of epoch {epoch} could not be read: {error}")

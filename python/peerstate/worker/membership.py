@@ -4,6 +4,7 @@ rank and epoch, and the watcher that learns of each new epoch."""
 from __future__ import annotations
 
 import enum
+import math
 import threading
 from typing import Callable, Dict, FrozenSet, Optional, Tuple
 
@@ -104,15 +105,16 @@ def wait_for_assignment(channel: KeyValueStore, worker: str, poll: float = 5.0) 
     (a worker name is never reused: no plan before the spare started names it).
     Blocks until then; JobFailedError once the job's failure is in the channel
     (looked for every ``poll`` seconds)."""
+    def stopped() -> bool:
+        failure = job_failure(channel)
+        if failure:
+            raise JobFailedError(f"the job stopped while this spare waited: {failure}")
+        return False
+
     epoch = 1
     while True:
-        try:
-            plan = RecoveryPlan.decode(channel.wait_get(keys.epoch_plan(epoch), timeout=poll))
-        except TimeoutError:
-            failure = job_failure(channel)
-            if failure:
-                raise JobFailedError(f"the job stopped while this spare waited: {failure}") from None
-            continue
+        channel.wait_until([keys.epoch_plan(epoch)], math.inf, moot=stopped, poll=poll)
+        plan = RecoveryPlan.decode(channel.get(keys.epoch_plan(epoch)))
         for rank, taker in plan.replaced.items():
             if taker == worker:
                 return plan, rank
