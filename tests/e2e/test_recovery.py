@@ -661,7 +661,6 @@ def test_a_script_error_that_every_replacement_meets_again_stops_the_job_loudly(
     assert len(job.events("plan")) == 2, job.describe()  # the first two errors were recovered from
 
 
-
 def test_a_recovery_that_raises_in_every_replacement_stops_the_job_loudly(run):
     # A replacement whose restore raises exits, and the next spare runs the same restore:
     # without the count the job used up its spares, refilled, for ever, each said only as
@@ -675,6 +674,7 @@ def test_a_recovery_that_raises_in_every_replacement_stops_the_job_loudly(run):
         "3 of its workers have now raised there" in summary, summary
     # The kill's epoch, then one for each of the first two replacements that raised.
     assert [e["epoch"] for e in job.events("plan")] == [1, 2, 3], job.describe()
+
 
 def test_a_new_job_resumes_from_the_newest_checkpoint_of_the_same_directory(run, reference, tmp_path):
     # A first job stops after step 19 (checkpoints of steps 0, 5, 10 and 15); a new job with the

@@ -97,8 +97,6 @@ if args.read_rank_early:
 if args.fsdp:
     job.wait_for_rank()  # fully_shard needs the process group: a spare builds its model once picked
 if args.subgroups:  # long timeouts: only an abort gets a blocked member out in time
-    import datetime
-
     pair_1_3 = job.new_group([1, 3], timeout=datetime.timedelta(seconds=600))
     pair_0_1 = job.new_group([0, 1], timeout=datetime.timedelta(seconds=600))
 
