@@ -14,8 +14,13 @@ says what the capture itself costs.
 The data-parallel state is snapshotted in shares, one per worker of a node (the
 default); ``--data-parallel-shares 1`` measures a full copy on every rank.
 
-Run: python bench/overhead.py [--quick] [--workers-per-node N] [--data-parallel-shares N]
-(writes bench/results/overhead.json; overhead_shares{N}.json with --data-parallel-shares)
+``--breakdown`` also times the boundary's parts on rank 0's training thread and
+splits its CPU between that thread and the others, beside one thread's copy of
+the bytes a step snapshots (see ``step_breakdown``; the timers cost ~1 us a call).
+
+Run: python bench/overhead.py [--quick] [--workers-per-node N] [--data-parallel-shares N] [--breakdown]
+(writes bench/results/overhead.json; overhead_shares{N}.json with --data-parallel-shares;
+overhead_breakdown.json with --breakdown)
 """
 
 import argparse
@@ -29,28 +34,34 @@ from pathlib import Path
 from typing import Optional
 
 from peerstate.tools.local import LocalJob
+from step_breakdown import parse as parse_breakdown
+from step_breakdown import table as breakdown_table
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "overhead.json"
 
 
 def run(blocks: int, block_steps: int, workers_per_node: int = 2, shares: Optional[int] = None,
-        timeout: float = 900.0) -> dict:
+        timeout: float = 900.0, breakdown: bool = False) -> dict:
     script = [str(HERE / "overhead_job.py"), "--blocks", str(blocks), "--block-steps", str(block_steps)]
     if shares is not None:
         script += ["--data-parallel-shares", str(shares)]
+    if breakdown:
+        script.append("--breakdown")
     with tempfile.TemporaryDirectory(prefix="peerstate-overhead-") as tmp:
         job = LocalJob(Path(tmp), [(workers_per_node, 0)] * 2, script)
         try:
             codes = job.wait(timeout)
             if codes != [0, 0]:
                 raise RuntimeError(f"the job failed ({codes}): {job.agent_logs[0].read_text()[-2000:]}")
-            lines = re.findall(r"^step (\d+) (on|off) (\S+) (\S+)", job.text(), re.M)
+            text = job.text()
         finally:
             job.close()
+    lines = re.findall(r"^step (\d+) (on|off) (\S+) (\S+)", text, re.M)
     steps = [(mode, float(wall), float(cpu)) for _, mode, wall, cpu in lines]
     return {measure: block_overheads([(mode, values[i]) for mode, *values in steps])
-            for i, measure in enumerate(("wall", "cpu"))} | {"steps": len(steps)}
+            for i, measure in enumerate(("wall", "cpu"))} | {"steps": len(steps)} | \
+        ({"breakdown": parse_breakdown(text)} if breakdown else {})
 
 
 def block_overheads(steps: list) -> dict:
@@ -88,13 +99,14 @@ def main() -> None:
                         help="workers on each of the 2 simulated nodes (default 2: the demo's 4 workers)")
     parser.add_argument("--data-parallel-shares", type=int, default=None,
                         help="Job(data_parallel_shares=N); default: one share per worker of a node")
+    parser.add_argument("--breakdown", action="store_true", help="time the step boundary's parts too")
     args = parser.parse_args()
     blocks, block_steps = (6, 8) if args.quick else (32, 12)
     workers = 2 * args.workers_per_node
     shares = args.data_parallel_shares or args.workers_per_node
     print(f"step overhead of every-step capture: demo GPT, {workers} workers on {os.cpu_count()} cores, "
           f"{blocks} interleaved blocks of {block_steps} steps, data-parallel state in {shares} share(s)")
-    result = run(blocks, block_steps, args.workers_per_node, args.data_parallel_shares)
+    result = run(blocks, block_steps, args.workers_per_node, args.data_parallel_shares, breakdown=args.breakdown)
     wall, cpu = summarize(result["wall"]), summarize(result["cpu"])
     print(f"{'per step (median)':<34}{'capture off':>12}{'capture on':>12}{'overhead: mean of block pairs':>31}"
           f"{'std':>7}{'min':>9}{'max':>9}")
@@ -103,16 +115,20 @@ def main() -> None:
               f"{summary['overhead_percent']:>+30.2f}%{summary['spread_percent']:>6.2f}%"
               f"{summary['min_percent']:>+8.2f}%{summary['max_percent']:>+8.2f}%")
     print(f"({wall['pairs']} block pairs, {result['steps']} steps)")
+    if args.breakdown:
+        print("\n".join(breakdown_table(result["breakdown"], wall["capture_off_s"])))
     path = RESULTS
     if args.data_parallel_shares:
         path = RESULTS.with_name(f"overhead_shares{args.data_parallel_shares}.json")
+    if args.breakdown:
+        path = RESULTS.with_name("overhead_breakdown.json")
     path.parent.mkdir(exist_ok=True)
     rows = [{"case": f"every-step snapshot + replication, {measure}", "ours_s": summary["capture_on_s"],
              "limit_s": summary["capture_off_s"], "ratio": summary["capture_on_s"] / summary["capture_off_s"]}
             for measure, summary in (("wall", wall), ("CPU of rank 0", cpu))]
     path.write_text(json.dumps({
         "benchmark": "overhead", "time": time.time(), "workers": workers, "cores": os.cpu_count(),
-        "data_parallel_shares": shares,
+        "data_parallel_shares": shares, "breakdown": result.get("breakdown"),
         "summary": wall, "cpu_summary": cpu, "blocks": result["wall"]["blocks"], "cpu_blocks": result["cpu"]["blocks"],
         "rows": rows}, indent=1))
     print(f"wrote {path}")

@@ -5,6 +5,7 @@ from the start of one step to the start of the next, and the CPU time its
 process (every thread: training, copy, replication, gloo) used meanwhile."""
 
 import argparse
+import json
 import time
 
 import torch
@@ -20,10 +21,16 @@ parser.add_argument("--warmup", type=int, default=5)
 parser.add_argument("--width", type=int, default=192)
 parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--data-parallel-shares", type=int, default=None)
+parser.add_argument("--breakdown", action="store_true", help="time the boundary's parts (see step_breakdown)")
 args = parser.parse_args()
 torch.set_num_threads(1)
 
 batches = Batches(corpus(), context=64, batch=8, seed=0)
+instrumented = None
+if args.breakdown:
+    from step_breakdown import Instrumented, copy_limit
+
+    instrumented = Instrumented()
 job = peerstate.Job(data_parallel_shares=args.data_parallel_shares)
 torch.manual_seed(0)
 model = TinyGPT(len(batches.vocabulary), width=args.width, layers=args.layers)
@@ -40,6 +47,10 @@ for step in job.steps(total):
     if last is not None and job.rank == 0 and step > args.warmup:
         print(f"step {step - 1} {'on' if previous_capture else 'off'} {now[0] - last[0]!r} {now[1] - last[1]!r}",
               flush=True)
+    if instrumented is not None:
+        parts = instrumented.step()
+        if last is not None and job.rank == 0 and step > args.warmup:
+            print(f"parts {step - 1} {'on' if previous_capture else 'off'} {json.dumps(parts)}", flush=True)
     last, previous_capture = now, job.capture
     with job.guard():
         x, y = batches(step, job.rank)
@@ -47,4 +58,7 @@ for step in job.steps(total):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+if instrumented is not None and job.rank == 0:
+    step_bytes = sum(store.memory()["bytes_per_version"] for store in job.tracked.snapshotted(job.rank))
+    print(f"copy_limit {step_bytes} {copy_limit(step_bytes)!r}", flush=True)
 job.close()

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <mutex>
 
+#include "common/thread_name.h"
+
 namespace peerstate {
 
 struct LivenessTicker::Tick {
@@ -69,7 +71,10 @@ Status LivenessTicker::start(const std::string& path, size_t offset, int interva
 }
 
 LivenessTicker::LivenessTicker(std::shared_ptr<Tick> tick) : tick_(std::move(tick)) {
-  thread_ = std::thread([tick = tick_] { tick->run(); });
+  thread_ = std::thread([tick = tick_] {
+    name_this_thread("ps-liveness");
+    tick->run();
+  });
 }
 
 LivenessTicker::~LivenessTicker() {

@@ -4,6 +4,8 @@
 
 #include <map>
 
+#include "common/thread_name.h"
+
 namespace peerstate {
 
 void ThreadPool::Job::wait() {
@@ -22,7 +24,10 @@ void ThreadPool::Job::finish_one() {
 ThreadPool::ThreadPool(size_t threads) {
   if (threads == 0) threads = 1;
   workers_.reserve(threads);
-  for (size_t i = 0; i < threads; i++) workers_.emplace_back([this] { worker_loop(); });
+  for (size_t i = 0; i < threads; i++) workers_.emplace_back([this] {
+    name_this_thread("ps-copy");
+    worker_loop();
+  });
 }
 
 std::shared_ptr<ThreadPool> ThreadPool::shared(size_t threads) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/crc32c.h"
+#include "common/thread_name.h"
 
 namespace peerstate {
 namespace {
@@ -110,7 +111,10 @@ Status TcpServer::start(const TcpOptions& options, const std::string& host, int 
                   "listening on all interfaces must be asked for explicitly with 0.0.0.0");
   std::unique_ptr<TcpServer> server(new TcpServer(options, replicas, own));
   PEERSTATE_RETURN_IF_ERROR(listen_on(host, port, &server->listener_, &server->port_));
-  server->acceptor_ = std::thread([s = server.get()] { s->accept_loop(); });
+  server->acceptor_ = std::thread([s = server.get()] {
+    name_this_thread("ps-accept");
+    s->accept_loop();
+  });
   *out = std::move(server);
   return Status::Ok();
 }
@@ -237,7 +241,10 @@ void TcpServer::accept_loop() {
     if (Connection* victim = handshake_to_evict(&raw->source))
       evict(victim, "room for a newer one from " + raw->name);
     try {
-      raw->thread = std::thread([this, raw] { serve_connection(raw); });
+      raw->thread = std::thread([this, raw] {
+        name_this_thread("ps-serve");
+        serve_connection(raw);
+      });
     } catch (const std::system_error& error) {  // threads exhausted (pids.max, RLIMIT_NPROC): refuse, never abort
       refused_++;
       log().write("thread", "refusing a connection from " + raw->name + ": no thread to serve it (" + error.what() +

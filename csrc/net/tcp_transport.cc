@@ -5,6 +5,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/thread_name.h"
+
 namespace peerstate {
 
 struct TcpTransport::Link {
@@ -88,7 +90,10 @@ template <typename Link, typename Fn>
 Status on_every_link(const std::vector<Link*>& links, Fn fn) {
   std::vector<Status> results(links.size());
   std::vector<std::thread> threads;
-  for (size_t i = 1; i < links.size(); i++) threads.emplace_back([&, i] { results[i] = fn(*links[i]); });
+  for (size_t i = 1; i < links.size(); i++) threads.emplace_back([&, i] {
+    name_this_thread("ps-link");
+    results[i] = fn(*links[i]);
+  });
   results[0] = fn(*links[0]);
   for (auto& t : threads) t.join();
   for (const Status& st : results)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/thread_name.h"
 #include "replication/process_memory.h"
 
 namespace peerstate {
@@ -43,6 +44,7 @@ Status Replicator::replicate(int64_t version, const std::vector<int>& holders) {
     round->results[i].holder = holders[i];
     // The pin keeps the slot from reuse until the send ends, whatever the caller snapshots meanwhile.
     round->threads.emplace_back([this, round = round.get(), i, meta, data = view.mutable_data, pin = view.pin] {
+      name_this_thread("ps-push");
       ChunkQueue queue(meta.layout->chunks.size());
       TransferPlan plan{meta, data, &queue};
       round->results[i].status = transport_->send(round->results[i].holder, plan);
@@ -101,6 +103,7 @@ Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version,
       const PullSource& s = sources[i];
       if (from_memory && (s.pid <= 0 || s.region == 0 || meta.version != version)) continue;
       threads.emplace_back([&, i, from_memory] {
+        name_this_thread("ps-pull");
         TransferPlan plan{meta, region, &queue};
         plan.meta.source_rank = sources[i].rank;
         plan.store = sources[i].store;
