@@ -51,7 +51,7 @@ Status TcpTransport::checked(Status st) const {
   return st;
 }
 
-Status TcpTransport::links(int peer_rank, std::shared_ptr<Peer>* keep, std::vector<Link*>* out) {
+Status TcpTransport::links(int peer_rank, std::shared_ptr<Peer>* keep, std::vector<Link*>* out, size_t wanted) {
   if (aborted_.load()) return Status(StatusCode::kAborted, "transport aborted");
   std::shared_ptr<Peer>& peer = *keep;
   {
@@ -63,7 +63,9 @@ Status TcpTransport::links(int peer_rank, std::shared_ptr<Peer>* keep, std::vect
   }
   out->clear();
   const auto idle_limit = std::chrono::milliseconds(options_.io_timeout_ms / 2);
-  for (auto& l : peer->links) {
+  wanted = std::max<size_t>(1, std::min(wanted, peer->links.size()));
+  for (size_t i = 0; i < wanted; i++) {
+    Link* l = peer->links[i].get();
     std::lock_guard<std::mutex> lock(l->mutex);
     if (l->channel.socket.valid() && (Clock::now() - l->used > idle_limit || l->channel.socket.stale()))
       l->channel.socket.close();  // the server closes idle connections: never send on one it may have closed
@@ -78,7 +80,7 @@ Status TcpTransport::links(int peer_rank, std::shared_ptr<Peer>* keep, std::vect
       l->channel = std::move(c);
     }
     l->used = Clock::now();
-    out->push_back(l.get());
+    out->push_back(l);
   }
   return Status::Ok();
 }
@@ -106,7 +108,7 @@ Status on_every_link(const std::vector<Link*>& links, Fn fn) {
 Status TcpTransport::send(int peer, const TransferPlan& plan) {
   std::shared_ptr<Peer> keep;
   std::vector<Link*> ls;
-  PEERSTATE_RETURN_IF_ERROR(links(peer, &keep, &ls));
+  PEERSTATE_RETURN_IF_ERROR(links(peer, &keep, &ls, plan.meta.layout->chunks.size()));
   const VersionMeta& meta = plan.meta;
   const Layout& layout = *meta.layout;
   auto fail = [&](Link& l, Status st) {
@@ -152,7 +154,7 @@ Status TcpTransport::send(int peer, const TransferPlan& plan) {
 Status TcpTransport::describe(int peer, int source_rank, int64_t version, uint32_t store, VersionMeta* out) {
   std::shared_ptr<Peer> keep;
   std::vector<Link*> ls;
-  PEERSTATE_RETURN_IF_ERROR(links(peer, &keep, &ls));
+  PEERSTATE_RETURN_IF_ERROR(links(peer, &keep, &ls, 1));
   Link& l = *ls[0];
   std::lock_guard<std::mutex> lock(l.mutex);
   Deadline d = deadline_after_ms(options_.io_timeout_ms);
@@ -183,7 +185,7 @@ Status TcpTransport::describe(int peer, int source_rank, int64_t version, uint32
 Status TcpTransport::receive(int peer, const TransferPlan& plan) {
   std::shared_ptr<Peer> keep;
   std::vector<Link*> ls;
-  PEERSTATE_RETURN_IF_ERROR(links(peer, &keep, &ls));
+  PEERSTATE_RETURN_IF_ERROR(links(peer, &keep, &ls, plan.meta.layout->chunks.size()));
   const VersionMeta& meta = plan.meta;
   const Layout& layout = *meta.layout;
   return on_every_link(ls, [&](Link& l) -> Status {

@@ -38,8 +38,12 @@ class TcpTransport final : public Transport {
   struct Link;
   struct Peer;
   explicit TcpTransport(const TcpOptions& options) : options_(options) {}
-  // Opens (or reuses) the connections to `peer`; `keep` holds them alive for the call.
-  Status links(int peer, std::shared_ptr<Peer>* keep, std::vector<Link*>* out);
+  // Opens (or reuses) the first `wanted` connections to `peer` (at most
+  // connections_per_peer); `keep` holds them alive for the call. A transfer of
+  // fewer chunks than connections asks for fewer: a link with nothing to carry
+  // would cost a thread a round, and, idle at the server, a reconnect and a
+  // handshake every io timeout.
+  Status links(int peer, std::shared_ptr<Peer>* keep, std::vector<Link*>* out, size_t wanted);
   Status checked(Status st) const;
 
   const TcpOptions options_;
