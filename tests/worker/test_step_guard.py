@@ -11,8 +11,9 @@ from peerstate.control.coordinator import Coordinator  # noqa: E402
 from peerstate.control.memory_store import InMemoryKeyValueStore  # noqa: E402
 from peerstate.errors import AbortedError, JobFailedError  # noqa: E402
 from peerstate.worker.membership import Membership, job_failure  # noqa: E402
+from peerstate.worker.peer_failure import raised_by_a_peer_failure  # noqa: E402
 from peerstate.worker.step_guard import (  # noqa: E402
-    SCRIPT_ERROR_REPEATS, counting_recovery_errors, raised_by_a_peer_failure, stop_if_raised_again)
+    SCRIPT_ERROR_REPEATS, counting_recovery_errors, stop_if_raised_again)
 
 
 def _raised_from(error, cause):

@@ -22,6 +22,7 @@ from peerstate.replication.placement import BuddyPlacement
 from peerstate.replication.stopped_holder import StoppedHolder
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.membership import EpochWatcher, Membership, job_failure
+from peerstate.worker.peer_failure import raised_by_a_peer_failure
 from peerstate.worker.process_groups import ProcessGroups
 from peerstate.worker.rebuild import DistributedWrappers
 from peerstate.worker.regroup import BusyPeerRegroup
@@ -159,8 +160,10 @@ class EpochJoiner:
         if rolling is not None:
             try:
                 rolling.join()
-            except Exception:  # noqa: BLE001 - a pull from a member that died meanwhile
-                if not self.failure_declared(plan.epoch):
+            except Exception as error:  # noqa: BLE001 - a pull from a member that died meanwhile?
+                # The script's own load_state_dict raising is no peer's failure: waiting
+                # failure_grace for a plan would only hold the others that long.
+                if not raised_by_a_peer_failure(error) or not self.failure_declared(plan.epoch):
                     raise
                 raise Superseded() from None
         elif self.restorer.can_run(needs_state):

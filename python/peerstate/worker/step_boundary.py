@@ -174,7 +174,3 @@ class StepBoundary:
                 if failing:
                     print(f"peerstate: rank {self.rank}: version {version} did not reach its holder rank {holder} "
                           f"({failing}); retrying with the next step's version", file=sys.stderr, flush=True)
-
-
-# What a collective's or a transport's error says when its peer died or its group was
-# aborted (gloo raises plain RuntimeErrors; NCCL and the c10d store raise DistErrors).

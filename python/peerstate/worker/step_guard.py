@@ -17,6 +17,7 @@ from peerstate.control.timeline import EventLog
 from peerstate.errors import JobFailedError
 from peerstate.worker.joiner import EpochJoiner
 from peerstate.worker.membership import MemberState, Membership
+from peerstate.worker.peer_failure import raised_by_a_peer_failure
 from peerstate.worker.step_boundary import StepBoundary
 from peerstate.worker.tracked_state import TrackedState
 from peerstate.worker.unguarded import UnguardedCollectives, UnguardedDraws
@@ -24,31 +25,6 @@ from peerstate.worker.unguarded import UnguardedCollectives, UnguardedDraws
 if TYPE_CHECKING:
     from peerstate.control.coordinator import Coordinator
     from peerstate.worker.regroup import BusyPeerRegroup
-
-
-_PEER_FAILURE_MARKS = ("gloo", "nccl", "c10d", "processgroup", "connection closed by peer", "connection reset",
-                       "broken pipe", "timed out waiting", "aborted", "socket")
-
-
-def raised_by_a_peer_failure(error: BaseException) -> bool:
-    """Whether ``error`` (or an exception it was raised from) may be a peer's failure
-    seen from here: a torch.distributed error, a gloo/NCCL error, one of peerstate's.
-    Anything else is the script's own (a bug, a bad batch, an out-of-memory): no
-    recovery is coming for it unless this rank dies, so waiting for one only holds the
-    other ranks in their collectives for ``failure_grace``."""
-    import torch.distributed
-
-    from peerstate.errors import Error
-
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, (torch.distributed.DistError, Error)):
-            return True
-        if isinstance(error, (RuntimeError, OSError)) and any(m in str(error).lower() for m in _PEER_FAILURE_MARKS):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 # Workers of one rank that raised their own error in the same step (or in the recovery
