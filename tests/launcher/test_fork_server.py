@@ -79,6 +79,37 @@ def test_exits_are_reported_as_popen_reports_them(tmp_path, server):
         server.spawn([str(script), "sleep"], dict(os.environ), str(tmp_path / "other.log")).wait(timeout=0.2)
 
 
+ENDINGS = textwrap.dedent("""
+    import atexit, sys, threading, time
+    marks = sys.argv[2]
+    atexit.register(lambda: open(marks, "a").write("atexit ran\\n"))
+    def late():
+        time.sleep(0.5)
+        open(marks, "a").write("non-daemon thread finished\\n")
+    threading.Thread(target=late).start()
+    print("buffered, never flushed by the script", end="")
+    what = sys.argv[1]
+    if what == "message":
+        sys.exit("the script's own message")
+    if what == "code":
+        sys.exit(3)
+""")
+
+
+@pytest.mark.parametrize("how, code", [("code", 3), ("message", 1), ("end", 0)])
+def test_a_forked_worker_ends_as_its_interpreter_would(tmp_path, server, how, code):
+    # It skips the interpreter's teardown of what the server preloaded, and nothing else:
+    # its non-daemon threads finish, its atexit functions run (after them, as in
+    # Py_Finalize), its buffered output is flushed, its exit status is the script's.
+    script, marks, log = tmp_path / "ending.py", tmp_path / "marks.txt", tmp_path / "ending.log"
+    script.write_text(ENDINGS)
+    assert server.spawn([str(script), how, str(marks)], dict(os.environ), str(log)).wait(timeout=60) == code
+    assert marks.read_text().splitlines() == ["non-daemon thread finished", "atexit ran"]
+    text = log.read_text()
+    assert "buffered, never flushed by the script" in text
+    assert ("the script's own message" in text) == (how == "message"), text
+
+
 def test_workers_die_with_a_killed_server_and_are_reported_killed(tmp_path, server):
     script = tmp_path / "worker.py"
     script.write_text(SCRIPT)

@@ -20,7 +20,13 @@ numpy's global random state is reseeded in each child (Python's ``random``
 reseeds itself at fork); the hash seed is the server's, the same in every
 worker. The server never initialises CUDA (it refuses to fork once CUDA is
 initialised: a forked CUDA context is unusable), and it runs no thread of its
-own (numpy's OpenBLAS pool has its own fork handlers).
+own (numpy's OpenBLAS pool has its own fork handlers). A child ends as
+multiprocessing's forked children do (``_end_as_forked_child``): it waits for its
+non-daemon threads, runs its atexit functions (``Job.close`` among them) and
+flushes, then ``os._exit``s with the exit status the script would have had,
+without the interpreter's teardown of the preloaded modules (a collection of
+torch's module graph and its C++ static destructors: 1-2 s of a loaded core at
+every worker's exit, which the job's end waited for).
 
 The agent's side is ``ForkServer`` (start, ``spawn``) and ``ForkedProcess``,
 which answers as ``subprocess.Popen`` does (``pid``, ``poll``, ``wait``,
@@ -31,6 +37,7 @@ the agent each exit status over their socket.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import json
 import os
@@ -40,7 +47,8 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import Dict, List, Mapping, Optional
+import traceback
+from typing import Callable, Dict, List, Mapping, NoReturn, Optional
 
 from peerstate.errors import JobFailedError
 from peerstate.launcher.processes import die_with_parent
@@ -304,6 +312,44 @@ def _become(request: dict, server: int) -> None:
     runpy.run_path(argv[0], run_name="__main__")
 
 
+def _end_as_forked_child(script: Callable[[], None]) -> NoReturn:
+    """Run ``script``, then end the process with the status ``python script.py``
+    would have: 0; a SystemExit's code (its message said, and 1, for a non-integer
+    one); 1 with the traceback for an uncaught exception; death by SIGINT for a
+    KeyboardInterrupt. What the interpreter's own exit does that a script can
+    notice is done first: non-daemon threads are waited for, atexit functions run,
+    stdio is flushed."""
+    code = 0
+    interrupted = False
+    try:
+        script()
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        interrupted = True
+    except BaseException:  # noqa: BLE001 - said as the interpreter would say it
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        threading._shutdown()  # type: ignore[attr-defined] - what Py_Finalize and multiprocessing call
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream has nothing left to flush
+                pass
+        if interrupted:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code & 0xFF)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="peerstate's fork server (started by the agent)")
     parser.add_argument("--fd", type=int, required=True, help="the socket to the agent")
@@ -323,7 +369,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise
     server = os.getpid()
     request = _serve(channel)
-    _become(request, server)
+    _end_as_forked_child(lambda: _become(request, server))
 
 
 if __name__ == "__main__":
