@@ -279,7 +279,13 @@ def analyse(events: List[dict], buddy: Dict[int, int]) -> List[dict]:
         epoch, end, recovery = ended
         fault["outcome"] = "checkpoint" if any(e in fallbacks for e in through) else "recovered"
         since_last = start - max((at for done, at, _ in completed if done < first), default=-math.inf)
-        fault["no_copy_yet"] = any(e in no_copy_yet or (e in mixed and since_last < WINDOW_SECONDS) for e in through)
+        # A later part that landed while the recovery of an earlier one was in flight (before its
+        # first step): that recovery's abort cut the pushes in flight, and the replacement holds
+        # only the recovery point, so the holders may hold mixed steps. The same window.
+        in_recovery = any(part["time"] > start and not any(start < at < part["time"] for _, at, _ in completed)
+                          for part in parts)
+        fault["no_copy_yet"] = any(e in no_copy_yet or (e in mixed and (since_last < WINDOW_SECONDS or in_recovery))
+                                   for e in through)
         fault["seconds"] = end - start
         phases = {k: v for k, v in recovery["phases_s"].items() if v is not None}
         fault["slowest_phase"] = max(phases, key=phases.get) if phases else None

@@ -224,6 +224,36 @@ def test_a_kill_just_after_a_fallback_whose_holders_hold_mixed_steps_is_in_the_s
     assert late["outcome"] == "checkpoint" and not late["no_copy_yet"], late
 
 
+def test_a_kill_while_a_recovery_is_in_flight_that_finds_mixed_steps_is_in_the_same_window():
+    # From a real round (quick soak, 2026-12-06): rank 2 killed, and rank 3 killed 0.27 s later,
+    # before that recovery's first step. The abort of epoch 7 cut rank 3's push of the recovery
+    # point (its holder kept 258), and rank 2's replacement held only 259: no common step. The
+    # same window; a second kill after the recovery's first step finding the same would not be.
+    soak = _soak_module()
+
+    def kill_in_recovery(second, first_recovered=False):
+        return [
+            _event("fault_injected", 40.24, scenario=6, scenario_kind="kill-in-recovery", kind="kill", rank=2),
+            _event("plan", 40.28, epoch=7, failed=[2], detected_at=40.25),
+            *([_event("recovery", 40.45, epoch=7, marks={"0": {"first step": 40.45}}, phases_s={"plan": 0.03})]
+              if first_recovered else []),
+            _event("fault_injected", second, scenario=6, scenario_kind="kill-in-recovery", kind="kill", rank=3),
+            _event("plan", second + 0.04, epoch=8, failed=[3], detected_at=second + 0.01),
+            _event("checkpoint_fallback", second + 0.06, epoch=8, message="rank 3 lost; no version is held for "
+                                                                          "every rank at once (the copies are of "
+                                                                          "different steps)"),
+            _event("recovery", second + 0.5, epoch=8, marks={"0": {"first step": second + 0.5}},
+                   phases_s={"plan": 0.03}),
+        ]
+
+    [fault] = soak.analyse(kill_in_recovery(40.51), soak.buddies())
+    assert fault["outcome"] == "checkpoint" and not fault["every_copy_taken"] and fault["no_copy_yet"], fault
+    assert not _summary(soak, [fault])["unexpected_fallbacks"]
+    after = kill_in_recovery(40.45 + soak.WINDOW_SECONDS + 0.1, first_recovered=True)
+    [later] = soak.analyse(after, soak.buddies())
+    assert later["outcome"] == "checkpoint" and not later["no_copy_yet"], later
+
+
 class _StalledJob:
     """The part of ``LocalJob`` that ``dump_stalled`` reads (a second implementation:
     its log folder, and the live processes holding ranks)."""

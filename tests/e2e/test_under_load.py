@@ -36,9 +36,11 @@ def test_a_rank_that_raises_on_a_loaded_node_is_reported_as_exited(run, referenc
 
 
 def test_a_starved_and_throttled_job_trains_through_without_a_failure(run, reference):
-    # Two burners a core, and rank 1 held to 0.1 s of CPU a second: its liveness count stands
-    # still for most of each second, five times the freeze bound.
-    with busy_cores(4), cpu_quota(0.1, 1.0) as group:
+    # Two burners a core, and rank 1 held to 0.05 s of CPU a second: its liveness count stands
+    # still for most of each second, nearly twice the freeze bound. (At 0.1 s a second, once a
+    # replication round cost fewer threads, a step's CPU could fit under the quota: nothing was
+    # throttled, and the test's premise failed.)
+    with busy_cores(4), cpu_quota(0.05, 1.0) as group:
         job = run(agent_args=FREEZE_ONLY)
         job.wait_for_step(1, 2)
         group.add(job.pid_of(1))
