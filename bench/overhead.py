@@ -18,9 +18,16 @@ default); ``--data-parallel-shares 1`` measures a full copy on every rank.
 splits its CPU between that thread and the others, beside one thread's copy of
 the bytes a step snapshots (see ``step_breakdown``; the timers cost ~1 us a call).
 
+``--model 100m``: the same GPT at 768 wide and 14 layers (99.3M parameters, 1.2 GB
+of state with AdamW's), 1 worker per node by default (4 would not fit 24 GiB
+with their versions and replicas), so each rank snapshots, pushes and holds the
+whole 1.2 GB every step; with the breakdown, whose copy limit is the figure to
+compare the overhead with.
+
 Run: python bench/overhead.py [--quick] [--workers-per-node N] [--data-parallel-shares N] [--breakdown]
+[--model demo|100m]
 (writes bench/results/overhead.json; overhead_shares{N}.json with --data-parallel-shares;
-overhead_breakdown.json with --breakdown)
+overhead_breakdown.json with --breakdown; overhead_100m.json with --model 100m)
 """
 
 import argparse
@@ -41,9 +48,14 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "overhead.json"
 
 
+# The job's model arguments per --model.
+MODELS = {"demo": [], "100m": ["--width", "768", "--layers", "14", "--heads", "12", "--batch", "2"]}
+
+
 def run(blocks: int, block_steps: int, workers_per_node: int = 2, shares: Optional[int] = None,
-        timeout: float = 900.0, breakdown: bool = False) -> dict:
-    script = [str(HERE / "overhead_job.py"), "--blocks", str(blocks), "--block-steps", str(block_steps)]
+        timeout: float = 900.0, breakdown: bool = False, model: str = "demo") -> dict:
+    script = [str(HERE / "overhead_job.py"), "--blocks", str(blocks), "--block-steps", str(block_steps),
+              *MODELS[model]]
     if shares is not None:
         script += ["--data-parallel-shares", str(shares)]
     if breakdown:
@@ -95,18 +107,26 @@ def summarize(measure: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 blocks of 8 steps (default: 32 of 12)")
-    parser.add_argument("--workers-per-node", type=int, default=2,
-                        help="workers on each of the 2 simulated nodes (default 2: the demo's 4 workers)")
+    parser.add_argument("--workers-per-node", type=int, default=None,
+                        help="workers on each of the 2 simulated nodes (default 2: the demo's 4 workers; "
+                             "1 with --model 100m)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="demo",
+                        help="the demo's GPT (1.8M parameters) or one of 99.3M (implies --breakdown)")
     parser.add_argument("--data-parallel-shares", type=int, default=None,
                         help="Job(data_parallel_shares=N); default: one share per worker of a node")
     parser.add_argument("--breakdown", action="store_true", help="time the step boundary's parts too")
     args = parser.parse_args()
-    blocks, block_steps = (6, 8) if args.quick else (32, 12)
-    workers = 2 * args.workers_per_node
-    shares = args.data_parallel_shares or args.workers_per_node
-    print(f"step overhead of every-step capture: demo GPT, {workers} workers on {os.cpu_count()} cores, "
-          f"{blocks} interleaved blocks of {block_steps} steps, data-parallel state in {shares} share(s)")
-    result = run(blocks, block_steps, args.workers_per_node, args.data_parallel_shares, breakdown=args.breakdown)
+    large = args.model == "100m"
+    args.breakdown = args.breakdown or large
+    per_node = args.workers_per_node or (1 if large else 2)
+    blocks, block_steps = ((4, 4) if large else (6, 8)) if args.quick else ((16, 6) if large else (32, 12))
+    workers = 2 * per_node
+    shares = args.data_parallel_shares or per_node
+    print(f"step overhead of every-step capture: {'99.3M-parameter' if large else 'demo'} GPT, {workers} workers "
+          f"on {os.cpu_count()} cores, {blocks} interleaved blocks of {block_steps} steps, data-parallel state in "
+          f"{shares} share(s)")
+    result = run(blocks, block_steps, per_node, args.data_parallel_shares, breakdown=args.breakdown,
+                 timeout=3600.0 if large else 900.0, model=args.model)
     wall, cpu = summarize(result["wall"]), summarize(result["cpu"])
     print(f"{'per step (median)':<34}{'capture off':>12}{'capture on':>12}{'overhead: mean of block pairs':>31}"
           f"{'std':>7}{'min':>9}{'max':>9}")
@@ -115,19 +135,28 @@ def main() -> None:
               f"{summary['overhead_percent']:>+30.2f}%{summary['spread_percent']:>6.2f}%"
               f"{summary['min_percent']:>+8.2f}%{summary['max_percent']:>+8.2f}%")
     print(f"({wall['pairs']} block pairs, {result['steps']} steps)")
+    added = None
     if args.breakdown:
         print("\n".join(breakdown_table(result["breakdown"], wall["capture_off_s"])))
+        added = wall["overhead_percent"] / 100 * wall["capture_off_s"]
+        print(f"wall overhead a step {added * 1e3:.1f} ms = {added / result['breakdown']['copy_s']:.2f}x one "
+              f"thread's copy of the step's bytes ({result['breakdown']['copy_s'] * 1e3:.1f} ms)")
     path = RESULTS
     if args.data_parallel_shares:
         path = RESULTS.with_name(f"overhead_shares{args.data_parallel_shares}.json")
     if args.breakdown:
         path = RESULTS.with_name("overhead_breakdown.json")
+    if large:
+        path = RESULTS.with_name("overhead_100m.json")
     path.parent.mkdir(exist_ok=True)
     rows = [{"case": f"every-step snapshot + replication, {measure}", "ours_s": summary["capture_on_s"],
              "limit_s": summary["capture_off_s"], "ratio": summary["capture_on_s"] / summary["capture_off_s"]}
             for measure, summary in (("wall", wall), ("CPU of rank 0", cpu))]
+    if added is not None:
+        rows.append({"case": "wall overhead a step vs one thread's copy of the step's bytes", "ours_s": added,
+                     "limit_s": result["breakdown"]["copy_s"], "ratio": added / result["breakdown"]["copy_s"]})
     path.write_text(json.dumps({
-        "benchmark": "overhead", "time": time.time(), "workers": workers, "cores": os.cpu_count(),
+        "benchmark": "overhead", "time": time.time(), "model": args.model, "workers": workers, "cores": os.cpu_count(),
         "data_parallel_shares": shares, "breakdown": result.get("breakdown"),
         "summary": wall, "cpu_summary": cpu, "blocks": result["wall"]["blocks"], "cpu_blocks": result["cpu"]["blocks"],
         "rows": rows}, indent=1))

@@ -20,12 +20,14 @@ parser.add_argument("--block-steps", type=int, default=10)
 parser.add_argument("--warmup", type=int, default=5)
 parser.add_argument("--width", type=int, default=192)
 parser.add_argument("--layers", type=int, default=4)
+parser.add_argument("--heads", type=int, default=4)
+parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--data-parallel-shares", type=int, default=None)
 parser.add_argument("--breakdown", action="store_true", help="time the boundary's parts (see step_breakdown)")
 args = parser.parse_args()
 torch.set_num_threads(1)
 
-batches = Batches(corpus(), context=64, batch=8, seed=0)
+batches = Batches(corpus(), context=64, batch=args.batch, seed=0)
 instrumented = None
 if args.breakdown:
     from step_breakdown import Instrumented, copy_limit
@@ -33,7 +35,7 @@ if args.breakdown:
     instrumented = Instrumented()
 job = peerstate.Job(data_parallel_shares=args.data_parallel_shares)
 torch.manual_seed(0)
-model = TinyGPT(len(batches.vocabulary), width=args.width, layers=args.layers)
+model = TinyGPT(len(batches.vocabulary), width=args.width, layers=args.layers, heads=args.heads)
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 job.track(model=model, optimizer=optimizer, data_parallel=True)
 ddp = job.ddp(model)
@@ -58,7 +60,7 @@ for step in job.steps(total):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-if instrumented is not None and job.rank == 0:
-    step_bytes = sum(store.memory()["bytes_per_version"] for store in job.tracked.snapshotted(job.rank))
-    print(f"copy_limit {step_bytes} {copy_limit(step_bytes)!r}", flush=True)
+step_bytes = sum(store.memory()["bytes_per_version"] for store in job.tracked.snapshotted(job.rank))
 job.close()
+if instrumented is not None and job.rank == 0:  # after close: the versions' memory is back (a large model)
+    print(f"copy_limit {step_bytes} {copy_limit(step_bytes)!r}", flush=True)
