@@ -60,7 +60,7 @@ for step in job.steps(total):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-step_bytes = sum(store.memory()["bytes_per_version"] for store in job.tracked.snapshotted(job.rank))
+step_bytes = job.memory()["snapshot_per_version"]
 job.close()
 if instrumented is not None and job.rank == 0:  # after close: the versions' memory is back (a large model)
     print(f"copy_limit {step_bytes} {copy_limit(step_bytes)!r}", flush=True)

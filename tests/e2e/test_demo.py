@@ -25,6 +25,14 @@ def test_short_demo_recovers_bitwise_and_writes_its_report(tmp_path):
     assert report["restart_baseline"]["total_s"] > 0
     assert sorted(map(int, report["faulty"]["loss"])) == list(range(14))
     assert report["faulty"]["loss"] == report["reference"]["loss"]  # the kept losses, bit for bit
+    # Each final rank's host memory for recoveries (Job.memory()), in the report and the summary:
+    # at least 4 versions of what it copies a step, and both regions of its buddy's replica.
+    memory = report["memory"]
+    assert sorted(memory) == ["0", "1", "2", "3"], memory
+    for m in memory.values():
+        assert m["snapshot_per_version"] > 0 and m["snapshots_held"] >= 4 * m["snapshot_per_version"], memory
+        assert m["replicas_held"] == m["replicas_reserved"] > 0, memory
+    assert "host memory a rank holds for recoveries (the most of 4 ranks)" in result.stdout
     png = (out / "report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

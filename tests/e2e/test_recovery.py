@@ -2,6 +2,7 @@
 signals. Every faulty run must end with the parameters of the fault-free run,
 bit for bit."""
 
+import mmap
 import os
 import platform
 import re
@@ -55,6 +56,13 @@ def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
     assert "environment before track: PEERSTATE_ROLE=worker RANK=3 LOCAL_RANK=1 OMP_NUM_THREADS=1" in \
         (job.logs / "n1.1.log").read_text()
     assert not job.events("rng_changed_after_restore")  # the replacement's script kept its restored RNG
+    memory = {m["rank"]: m for m in job.events("memory")}  # Job.memory() at the end, per rank
+    assert sorted(memory) == [0, 1, 2, 3], memory
+    if not script_args:  # all of a rank's state goes to its buddy, which holds two versions of it
+        for m in memory.values():
+            per, in_pages = m["snapshot_per_version"], -(-m["snapshot_per_version"] // mmap.PAGESIZE) * mmap.PAGESIZE
+            assert per > 0 and m["snapshots_held"] == 4 * in_pages, memory  # 4 versions, each in whole pages
+            assert m["replicas_reserved"] == 2 * per and m["replicas_held"] == 2 * in_pages, memory
     pulled = {p["rank"]: p for p in job.events("pulled")}
     if script_args == ["--data-parallel"]:
         # Two data-parallel shares (one per rank of a node; rank r holds share r % 2). The

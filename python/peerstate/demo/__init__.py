@@ -156,6 +156,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     baseline = _restart_baseline(out, out / "faulty" / "checkpoint", model_args, args.timeout)
     check = _bitwise(out / "reference" / "final.pt", out / "faulty" / "final.pt")
+    from peerstate.demo.report import MEMORY_FIELDS, draw, summary
+
     recoveries = faulty.events("recovery")
     [end] = faulty.events("job_end") or [{}]
     report = {
@@ -163,11 +165,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         "reference": _losses(reference), "faulty": _losses(faulty),
         "injected": [e for e in faulty.events("fault_injected")],
         "recoveries": recoveries, "goodput": end.get("goodput"), "job_end": end,
+        "memory": {e["rank"]: {k: e[k] for k in MEMORY_FIELDS} for e in faulty.events("memory")},
         "restart_baseline": baseline, "bitwise": check,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    from peerstate.demo.report import draw, summary
-
     print(summary(report))
     drawn = draw(report, out / "report.png")
     print(f"report: {out / 'report.json'}" + (f" and {out / 'report.png'}" if drawn else

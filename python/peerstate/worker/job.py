@@ -48,7 +48,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import math
 import os
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -88,6 +87,8 @@ from peerstate.worker.tracked_state import TrackedState
 
 class Job:
     """This process's membership in a peerstate job (see the module docstring).
+    A script reads ``rank``, ``epoch``, ``next_step``, ``recoveries``, ``world_size``,
+    ``backend``, ``capture``, ``extras`` and ``memory()``; the parts are private.
 
     Args:
         snapshot_every: snapshot (and replicate) every N steps; a failure costs at
@@ -159,59 +160,60 @@ class Job:
         if untested:
             print(f"peerstate: {untested}", file=sys.stderr, flush=True)
         self._env = env = WorkerEnvironment.from_env()
-        self.world_size, self.worker = env.world_size, env.worker
-        self.join_timeout, self.abort_timeout = join_timeout, abort_timeout
+        self.world_size, self._worker = env.world_size, env.worker
+        self._join_timeout, self._abort_timeout = join_timeout, abort_timeout
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._replica_budget_bytes = replica_budget_bytes
-        self.events = EventLog(env.events, env.worker)
-        self.kv = open_store(env.store, timeout=join_timeout)  # TCPStore or etcd, as the agent says
+        self._events = EventLog(env.events, env.worker)
+        self._kv = open_store(env.store, timeout=join_timeout)  # TCPStore or etcd, as the agent says
         node_host, node_port = env.node_store.rsplit(":", 1)
-        self.channel = TorchKeyValueStore(node_host, int(node_port), timeout=join_timeout)  # to its agent
-        self.coordinator = Coordinator(self.kv)
+        self._channel = TorchKeyValueStore(node_host, int(node_port), timeout=join_timeout)  # to its agent
+        self._coordinator = Coordinator(self._kv)
         # A replacement would run into the same: the job stops, not just this rank.
-        claim_default_group(lambda message: InvalidArgumentError(self.coordinator.fail_job(message)))
+        claim_default_group(lambda message: InvalidArgumentError(self._coordinator.fail_job(message)))
         nodes = [r // env.nproc_per_node for r in range(env.world_size)]
-        self.placement = BuddyPlacement(nodes, k=k)
+        self._placement = BuddyPlacement(nodes, k=k)
         if data_parallel_shares is None and os.environ.get("PEERSTATE_DATA_PARALLEL_SHARES"):
             data_parallel_shares = int(os.environ["PEERSTATE_DATA_PARALLEL_SHARES"])
-        self.progress = ProgressCounter(env.progress) if env.progress else None
-        if self.progress:
-            self.progress.start_ticking()
+        self._progress = ProgressCounter(env.progress) if env.progress else None
+        if self._progress:
+            self._progress.start_ticking()
         permit_reads_by_the_node()  # its replacement reads its stores if it hangs, a same-node peer its share
         # gloo: a collective or a rendezvous that no abort wakes fails on its own well
         # before the deadline (the members reach form() together: a join is a barrier).
-        self.groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,
+        self._groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,
                                     connect_timeout=min(abort_timeout / 10, FORM_CONNECT_TIMEOUT))
-        claim_pg_timeouts(self.groups, lambda message: report_finding(self.channel, self.rank, self.worker,
+        claim_pg_timeouts(self._groups, lambda message: report_finding(self._channel, self.rank, self._worker,
                                                                       self.next_step, message, OVERRIDDEN))
-        self.membership = Membership(env.worker, spare=env.spare)
-        self.tracked = TrackedState(nodes, k, data_parallel_shares, versions, snapshot_threads)
+        self._membership = Membership(env.worker, spare=env.spare)
+        self._tracked = TrackedState(nodes, k, data_parallel_shares, versions, snapshot_threads)
         self._meshes: List[Union[DeclaredMesh, BuiltMeshes]] = []
-        self.wrappers = DistributedWrappers(self.kv)
-        self.checkpoints = checkpoints = DiskCheckpoints(self.tracked, self.wrappers,
+        self._wrappers = DistributedWrappers(self._kv)
+        self._checkpoints = checkpoints = DiskCheckpoints(self._tracked, self._wrappers,
                                                          checkpoint_dir or env.checkpoint_dir,
                                                          checkpoint_every or env.checkpoint_every,
-                                                         self.coordinator.fail_job)
-        self.report = RecoveryReport(self.kv, self.channel, self.events, env.world_size)
-        self.boundary = StepBoundary(self.membership, self.tracked, self.kv, self.placement, checkpoints, self.report,
-                                     self.progress, snapshot_every, join_timeout)
+                                                         self._coordinator.fail_job)
+        self._report = RecoveryReport(self._kv, self._channel, self._events, env.world_size)
+        self._boundary = StepBoundary(self._membership, self._tracked, self._kv, self._placement, checkpoints, self._report,
+                                     self._progress, snapshot_every, join_timeout)
         # The same script without the capture, for the benchmarks' baselines (no failure is survivable).
         self.capture = os.environ.get("PEERSTATE_CAPTURE", "1") != "0"
-        self.resume = CheckpointResume(self.kv, checkpoints, self.boundary, self.tracked, self.events)
-        self.restorer = Restorer(self.membership, self.tracked, checkpoints, self.report)
-        self.regroup = BusyPeerRegroup(self.coordinator, self.groups, self.events, f"agent{env.node}", env.worker,
+        self._resume = CheckpointResume(self._kv, checkpoints, self._boundary, self._tracked, self._events)
+        self._restorer = Restorer(self._membership, self._tracked, checkpoints, self._report)
+        self._regroup = BusyPeerRegroup(self._coordinator, self._groups, self._events, f"agent{env.node}", env.worker,
                                        env.world_size, abort_timeout, join_timeout)
-        self.joiner = EpochJoiner(self.membership, self.kv, self.channel, self.coordinator, self.groups, self.tracked,
-                                  self.restorer, self.boundary, self.wrappers, checkpoints, self.report, self.events,
-                                  self.placement, self.regroup, env.world_size, join_timeout, failure_grace)
-        self.aborts = AbortHandler(self.membership, [self.groups.abort, self.wrappers.abort, self._abort_transfers,
-                                                     self.boundary.on_new_epoch], self.events,
-                                   abort_timeout, on_abort=self.report.marks.clear)
-        self.replication: Optional[Replication] = None
-        self.watcher: Optional[EpochWatcher] = None
+        self._joiner = EpochJoiner(self._membership, self._kv, self._channel, self._coordinator, self._groups, self._tracked,
+                                  self._restorer, self._boundary, self._wrappers, checkpoints, self._report, self._events,
+                                  self._placement, self._regroup, env.world_size, join_timeout, failure_grace)
+        aborts = [self._groups.abort, self._wrappers.abort, lambda epoch: self._replication.abort_transfers(),
+                  self._boundary.on_new_epoch]
+        self._aborts = AbortHandler(self._membership, aborts, self._events, abort_timeout,
+                                    on_abort=self._report.marks.clear)
+        self._replication: Optional[Replication] = None
+        self._watcher: Optional[EpochWatcher] = None
         self._guard: Optional[StepGuard] = None  # the current step's
-        self.checks = StepChecks(self.membership, self.tracked, UnguardedCollectives(self.groups.formed),
-                                 self.channel, self.events)
+        self._checks = StepChecks(self._membership, self._tracked, UnguardedCollectives(self._groups.formed),
+                                 self._channel, self._events)
         atexit.register(self.close)  # an exception out of the loop still stops the threads in order
         if env.spare:
             _warm_up()
@@ -222,30 +224,30 @@ class Job:
     @property
     def rank(self) -> Optional[int]:
         """This process's rank (None while a spare waits for one)."""
-        return self.membership.rank
+        return self._membership.rank
 
     @property
     def epoch(self) -> int:
-        return self.membership.epoch
+        return self._membership.epoch
 
     @property
     def next_step(self) -> int:
         """The step the loop runs next."""
-        return self.joiner.next_step
+        return self._joiner.next_step
 
     @property
     def recoveries(self) -> int:
-        return self.joiner.recoveries
+        return self._joiner.recoveries
 
     @property
     def capture(self) -> bool:
         """False: steps are not snapshotted (for overhead measurements only; also set by
         ``PEERSTATE_CAPTURE=0``, which the benchmarks use to run a script without it)."""
-        return self.boundary.capture
+        return self._boundary.capture
 
     @capture.setter
     def capture(self, value: bool) -> None:
-        self.boundary.capture = value
+        self._boundary.capture = value
 
     # -- the loop --------------------------------------------------------------------
     def ddp(self, model: Any, **options: Any) -> RebuildableDDP:
@@ -254,7 +256,7 @@ class Job:
         DDP subclass, keeping what the script set on it (``RebuildableDDP``). A
         replacement skips DDP's initial broadcast: its state arrives from the buddies."""
         self.wait_for_rank()
-        return self.wrappers.wrap(model, options, self.epoch, self.membership.replacement, self.join_timeout)
+        return self._wrappers.wrap(model, options, self.epoch, self._membership.replacement, self._join_timeout)
 
     def new_group(self, ranks: Sequence[int], **options: Any) -> Subgroup:
         """Declare a process group over some ranks (``torch.distributed.new_group``'s
@@ -263,11 +265,8 @@ class Job:
         the same order, before ``track()`` (a spare too: it forms its subgroups when
         it is given a rank). Pass ``subgroup.group`` to collectives."""
         self._check_declaration("new_group()")
-        ranks = list(ranks)
-        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
-            raise InvalidArgumentError(f"new_group() needs distinct ranks in [0, {self.world_size}), got {ranks}")
-        subgroup = Subgroup(ranks, options)
-        self.groups.add(subgroup, self.join_timeout)
+        subgroup = Subgroup.declared(ranks, options, self.world_size)
+        self._groups.add(subgroup, self._join_timeout)
         return subgroup
 
     def device_mesh(self, device_type: str, mesh_shape: Sequence[int], *,
@@ -278,15 +277,8 @@ class Job:
         The same rules as ``new_group``: every process, same order, before
         ``track()``; a spare's ``.mesh`` exists once ``wait_for_rank()`` returns."""
         self._check_declaration("device_mesh()")
-        shape = [int(size) for size in mesh_shape]
-        if not shape or any(size < 1 for size in shape) or math.prod(shape) != self.world_size:
-            raise InvalidArgumentError(f"device_mesh() needs a shape whose sizes multiply to the world size "
-                                       f"{self.world_size}, got {list(mesh_shape)}")
-        if mesh_dim_names is not None and len(mesh_dim_names) != len(shape):
-            raise InvalidArgumentError(f"device_mesh() got {len(mesh_dim_names)} dimension names "
-                                       f"{list(mesh_dim_names)} for the {len(shape)} dimensions of {shape}")
-        declared = DeclaredMesh(device_type, shape, mesh_dim_names)
-        self.groups.add(declared, self.join_timeout)
+        declared = DeclaredMesh.declared(device_type, mesh_shape, mesh_dim_names, self.world_size)
+        self._groups.add(declared, self._join_timeout)
         self._meshes.append(declared)
         return declared
 
@@ -301,19 +293,16 @@ class Job:
         recoveries (see ``meshes``). ``layout``: the world mesh's (name, size) pairs, for
         ``track(data_parallel=NAME)``. The same rules as ``new_group``."""
         self._check_declaration("build_meshes()")
-        if layout is not None and math.prod(size for _, size in layout) != self.world_size:
-            raise InvalidArgumentError(f"build_meshes(layout={list(layout)}): the sizes must multiply to the world "
-                                       f"size {self.world_size}")
-        built = BuiltMeshes(builder, layout)
-        self.groups.add(built, self.join_timeout)
+        built = BuiltMeshes.declared(builder, layout, self.world_size)
+        self._groups.add(built, self._join_timeout)
         self._meshes.append(built)
         return built
 
     def _check_declaration(self, what: str) -> None:
-        if self.tracked.tracking:
+        if self._tracked.tracking:
             raise InvalidArgumentError(f"call {what} before track(): a hot spare waits in track(), and every "
                                        "process must declare the same groups in the same order")
-        if self.membership.replacement and self.rank is not None:
+        if self._membership.replacement and self.rank is not None:
             raise InvalidArgumentError(f"call {what} before wait_for_rank(): this replacement already formed its "
                                        "epoch's groups with the survivors, who will not create this one")
 
@@ -343,69 +332,80 @@ class Job:
         rank at the same place of every replica group holds the same shard), which
         are each other's copies in the same way."""
         replica_mesh, replica_dim = replica_dimension(self._meshes, data_parallel)
-        self.tracked.track(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
+        self._tracked.track(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
                            extras=extras or {}, data_parallel=bool(data_parallel), replica_mesh=replica_mesh,
                            replica_dim=replica_dim)
-        self.wrappers.model = model
-        resume = self.resume.point(new_job=not (self.membership.replacement or self.recoveries or self.next_step))
+        self._wrappers.model = model
+        resume = self._resume.point(new_job=not (self._membership.replacement or self.recoveries or self.next_step))
         optimizers = optimizer_parts(optimizer)  # a container's or a list's optimizers, or it
-        if self.membership.needs_state or resume:
+        if self._membership.needs_state or resume:
             from torch.distributed.checkpoint.state_dict import _init_optim_state
 
             for part in optimizers:
                 _init_optim_state(part)  # what a restore writes into must exist (a no-op once it does)
-        if self.membership.needs_state:
-            self.tracked.register(self.rank)  # allocates too: a recovery should not fault memory in
-            if self.replication is not None:
-                self.boundary.replication_serves_shares()
+        if self._membership.needs_state:
+            self._tracked.register(self.rank)  # allocates too: a recovery should not fault memory in
+            if self._replication is not None:
+                self._boundary.replication_serves_shares()
         elif resume:
-            self.joiner.next_step = self.resume.load(*resume, self.rank)
+            self._joiner.next_step = self._resume.load(*resume, self.rank)
         for part in optimizers:  # the first to step starts the round; the others find it started
-            part.register_step_pre_hook(lambda *_: self.boundary.start_replication())
+            part.register_step_pre_hook(lambda *_: self._boundary.start_replication())
         self.wait_for_rank()
-        if self.restorer.pending is not None:
+        if self._restorer.pending is not None:
             with self._counting_recovery_errors():
-                self.restorer.restore_pending()
+                self._restorer.restore_pending()
 
     @property
     def extras(self) -> Dict[str, Any]:
         """The ``extras`` given to ``track()``, by name; a plain value is snapshotted
         from here at each step boundary and set back here by a restore."""
-        return self.tracked.extras
+        return self._tracked.extras
+
+    def memory(self) -> Dict[str, int]:
+        """Host memory this rank holds for recoveries, in bytes: ``snapshot_per_version``
+        (what it copies each step: its own state and its share of the data-parallel
+        state), ``snapshots_held`` (the version slots of all its stores, as allocated
+        now), ``replicas_held`` and ``replicas_reserved`` (its buddies' state kept
+        here; 0 for a spare without a rank)."""
+        replicas = self._replication.replicas if self._replication is not None else None
+        return {**self._tracked.memory(self.rank), "replicas_held": replicas.held_bytes() if replicas else 0,
+                "replicas_reserved": replicas.reserved_bytes() if replicas else 0}
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step numbers from where the job stands (0, or the step after the disk
         checkpoint a new job resumed from in ``track()``) to ``total`` - 1, recovering
         between steps when a failure was caught by ``guard``."""
         while True:
-            if self.membership.state is MemberState.RECOVERING or self.watcher.latest.epoch != self.epoch:
-                self.aborts.loop_arrived()
-                with self.progress.setting_up() if self.progress else contextlib.nullcontext(), \
+            if self._membership.state is MemberState.RECOVERING or self._watcher.latest.epoch != self.epoch:
+                self._aborts.loop_arrived()
+                with self._progress.setting_up() if self._progress else contextlib.nullcontext(), \
                         self._counting_recovery_errors():
-                    self.joiner.recover()
+                    self._joiner.recover()
             if self.next_step >= total:
                 break
             self._guard = None
             yield self.next_step
-            if self._guard is None and self.membership.state is not MemberState.RECOVERING:
+            if self._guard is None and self._membership.state is not MemberState.RECOVERING:
                 raise InvalidArgumentError("wrap the body of the steps() loop in `with job.guard():`")
-        self.membership.move(MemberState.FINISHED)
-        self.boundary.drain()
-        self.report.finish(total, self.epoch)
-        if self.progress:
-            self.progress.finish()  # counted as finished: its death from here on is not a failure
+        self._membership.move(MemberState.FINISHED)
+        self._boundary.drain()
+        self._events.write("memory", rank=self.rank, **self.memory())  # what the run's summary shows
+        self._report.finish(total, self.epoch)
+        if self._progress:
+            self._progress.finish()  # counted as finished: its death from here on is not a failure
 
     def _counting_recovery_errors(self) -> Any:
-        return counting_recovery_errors(self.kv, self.coordinator, self.membership, lambda: self.joiner.next_step)
+        return counting_recovery_errors(self._kv, self._coordinator, self._membership, lambda: self._joiner.next_step)
 
     def guard(self) -> StepGuard:
         """Context manager for one step's body: a failure inside becomes a recovery."""
-        undeclared = self.groups.describe_undeclared()
+        undeclared = self._groups.describe_undeclared()
         if undeclared:  # a replacement would run into the same: the job stops
-            raise InvalidArgumentError(self.coordinator.fail_job(f"rank {self.rank}: {undeclared}"))
-        self.checks.before_step(self.next_step)
-        self._guard = StepGuard(self.joiner, self.boundary, self.membership, self.events, self.regroup,
-                                self.checks.step_ended)
+            raise InvalidArgumentError(self._coordinator.fail_job(f"rank {self.rank}: {undeclared}"))
+        self._checks.before_step(self.next_step)
+        self._guard = StepGuard(self._joiner, self._boundary, self._membership, self._events, self._regroup,
+                                self._checks.step_ended)
         return self._guard
 
     def guarded(self, step_function: Callable[..., Any]) -> Callable[..., Any]:
@@ -435,10 +435,10 @@ class Job:
         after being picked). Returns the rank."""
         if self.rank is not None:
             return self.rank
-        self.coordinator.register_spare(self.worker)
-        self.events.write("spare_ready", pid=os.getpid())
-        plan, rank = wait_for_assignment(self.channel, self.worker)
-        self.events.write("spare_assigned", epoch=plan.epoch, rank=rank, job_store=self.kv.count.requests)
+        self._coordinator.register_spare(self._worker)
+        self._events.write("spare_ready", pid=os.getpid())
+        plan, rank = wait_for_assignment(self._channel, self._worker)
+        self._events.write("spare_assigned", epoch=plan.epoch, rank=rank, job_store=self._kv.count.requests)
         with self._counting_recovery_errors():
             self._become_member(plan, rank)
         return self.rank
@@ -446,48 +446,45 @@ class Job:
     def _plan(self, epoch: int) -> RecoveryPlan:
         """Epoch ``epoch``'s plan, from the agent's copy in the node channel."""
         key = keys.epoch_plan(epoch)
-        self.channel.wait([key], timeout=self.join_timeout)
-        return RecoveryPlan.decode(self.channel.get(key))
+        self._channel.wait([key], timeout=self._join_timeout)
+        return RecoveryPlan.decode(self._channel.get(key))
 
     # -- membership ------------------------------------------------------------------
     def _become_member(self, plan: RecoveryPlan, rank: int) -> None:
         """Take ``rank`` in ``plan``'s epoch (or a newer one) and join it."""
-        self.membership.rank = rank
+        self._membership.rank = rank
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % self._env.nproc_per_node),
                           GROUP_RANK=str(self._env.node))
-        self.replication = Replication(self.tracked.own, rank, self.placement, secret=self._env.secret,
+        self._replication = Replication(self._tracked.own, rank, self._placement, secret=self._env.secret,
                                        host=self._env.host, replica_budget_bytes=self._replica_budget_bytes,
-                                       protection=self._env.protection, snapshot_every=self.boundary.snapshot_every)
-        self.joiner.replication = self.restorer.replication = self.boundary.replication = self.replication
-        if self.progress:  # if this process hangs, its replacement reads its stores from its memory
-            self.progress.set_index_address(self.replication.index_stores())
-        self.boundary.replication_serves_shares()  # a spare registered its share stores before its rank
-        self.watcher = self.joiner.watcher = EpochWatcher(self.channel.clone(), plan, self.aborts.on_new_epoch)
+                                       protection=self._env.protection, snapshot_every=self._boundary.snapshot_every)
+        self._joiner.replication = self._restorer.replication = self._boundary.replication = self._replication
+        if self._progress:  # if this process hangs, its replacement reads its stores from its memory
+            self._progress.set_index_address(self._replication.index_stores())
+        self._boundary.replication_serves_shares()  # a spare registered its share stores before its rank
+        self._watcher = self._joiner.watcher = EpochWatcher(self._channel.clone(), plan, self._aborts.on_new_epoch)
         try:
-            self.joiner.join(plan)
+            self._joiner.join(plan)
         except Superseded:
-            self.joiner.recover()
-
-    def _abort_transfers(self, epoch: int) -> None:
-        self.replication.abort_transfers()
+            self._joiner.recover()
 
     def close(self) -> None:
         """Stop watching, serving and snapshotting (call once the loop is done)."""
-        if self.membership.state is MemberState.CLOSED:
+        if self._membership.state is MemberState.CLOSED:
             return
-        self.membership.move(MemberState.CLOSED)
-        if self.watcher is not None:
-            self.watcher.stop()
-        if self.replication is not None:
-            self.replication.close()
-        self.wrappers.close(timeout=self.abort_timeout)
-        self.groups.destroy()
+        self._membership.move(MemberState.CLOSED)
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self._replication is not None:
+            self._replication.close()
+        self._wrappers.close(timeout=self._abort_timeout)
+        self._groups.destroy()
         release_default_group()
         release_pg_timeouts()
-        self.tracked.close()
-        if self.progress:
-            self.progress.exiting()
-            self.progress.close()
+        self._tracked.close()
+        if self._progress:
+            self._progress.exiting()
+            self._progress.close()
 
     def __enter__(self) -> "Job":
         return self

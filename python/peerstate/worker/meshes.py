@@ -30,6 +30,7 @@ one exists.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from peerstate.errors import InvalidArgumentError
@@ -48,6 +49,19 @@ class DeclaredMesh:
         self.dim_names = tuple(dim_names) if dim_names is not None else None
         self._mesh: Any = None
         self._formed = False
+
+    @classmethod
+    def declared(cls, device_type: str, mesh_shape: Sequence[int], dim_names: Optional[Sequence[str]],
+                 world_size: int) -> "DeclaredMesh":
+        """``Job.device_mesh``'s arguments, checked against the world size."""
+        shape = [int(size) for size in mesh_shape]
+        if not shape or any(size < 1 for size in shape) or math.prod(shape) != world_size:
+            raise InvalidArgumentError(f"device_mesh() needs a shape whose sizes multiply to the world size "
+                                       f"{world_size}, got {list(mesh_shape)}")
+        if dim_names is not None and len(dim_names) != len(shape):
+            raise InvalidArgumentError(f"device_mesh() got {len(dim_names)} dimension names "
+                                       f"{list(dim_names)} for the {len(shape)} dimensions of {shape}")
+        return cls(device_type, shape, dim_names)
 
     @property
     def mesh(self) -> Any:
@@ -108,6 +122,15 @@ class BuiltMeshes:
         self._value: Any = None
         self._names: Optional[List[str]] = None  # the groups the first call created, in order
         self._formed = False
+
+    @classmethod
+    def declared(cls, builder: Callable[[], Any], layout: Optional[Sequence[Tuple[str, int]]],
+                 world_size: int) -> "BuiltMeshes":
+        """``Job.build_meshes``'s arguments, checked against the world size."""
+        if layout is not None and math.prod(size for _, size in layout) != world_size:
+            raise InvalidArgumentError(f"build_meshes(layout={list(layout)}): the sizes must multiply to the world "
+                                       f"size {world_size}")
+        return cls(builder, layout)
 
     @property
     def value(self) -> Any:

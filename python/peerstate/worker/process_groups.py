@@ -118,6 +118,14 @@ class Subgroup:
         self.options = options
         self._group: Any = None
 
+    @classmethod
+    def declared(cls, ranks: Sequence[int], options: Dict[str, Any], world_size: int) -> "Subgroup":
+        """``Job.new_group``'s arguments, checked against the world size."""
+        ranks = list(ranks)
+        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world_size for r in ranks):
+            raise InvalidArgumentError(f"new_group() needs distinct ranks in [0, {world_size}), got {ranks}")
+        return cls(ranks, options)
+
     def dissolve(self) -> None:
         self._group = None
 

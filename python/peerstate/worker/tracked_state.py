@@ -172,6 +172,13 @@ class TrackedState:
         share = self.own_share(rank)
         return [self.own] if share is None else [self.own, share]
 
+    def memory(self, rank: Optional[int]) -> Dict[str, int]:
+        """Bytes ``rank`` copies a step (its own store and its share; a spare without a
+        rank: its own), and bytes held by the version slots of every store."""
+        stores = self.snapshotted(rank) if rank is not None else [self.own]
+        return {"snapshot_per_version": sum(store.memory()["bytes_per_version"] for store in stores),
+                "snapshots_held": sum(store.memory()["held_bytes"] for store in self.all_stores())}
+
     def all_stores(self) -> List[SnapshotStore]:
         """Every store holding tracked state: this rank's own, then each data-parallel share."""
         return [self.own, *self.share_stores] if self.data_parallel else [self.own]
