@@ -14,13 +14,14 @@ real copy engines, NCCL's own transports and kernels (see their headers); those
 run only on a GPU (bench/gpu/check.sh)."""
 
 import os
-import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from helpers.native_build import cmake_build
 
 pytestmark = pytest.mark.e2e  # a build of its own (~1 min of one core)
 
@@ -29,12 +30,7 @@ STANDIN = Path(__file__).resolve().parent / "cuda_standin"
 
 @pytest.fixture(scope="module")
 def drivers(tmp_path_factory):
-    assert shutil.which("cmake"), "cmake is needed to build the stand-in tests (see the README's requirements)"
-    build = tmp_path_factory.mktemp("cuda_standin")
-    for command in (["cmake", "-S", str(STANDIN), "-B", str(build)], ["cmake", "--build", str(build), "-j2"]):
-        result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return build
+    return cmake_build(STANDIN, tmp_path_factory.mktemp("cuda_standin"))
 
 
 def run(build: Path, driver: str, scenario: str) -> subprocess.CompletedProcess:

@@ -8,11 +8,12 @@ over-read."""
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from helpers.native_build import cmake_build
 
 pytestmark = pytest.mark.e2e  # a build of its own (~40 s of two cores)
 
@@ -21,18 +22,14 @@ UNITS = Path(__file__).resolve().parent / "units"
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
-    assert shutil.which("cmake"), "cmake is needed to build the unit tests (see the README's requirements)"
-    build = tmp_path_factory.mktemp("units")
-    configure = subprocess.run(["cmake", "-S", str(UNITS), "-B", str(build)], capture_output=True, text=True,
-                               timeout=300)
-    if configure.returncode != 0 and "GTest" in configure.stderr + configure.stdout:
+    def without_gtest(output: str) -> None:
+        if "GTest" not in output:
+            return
         if os.environ.get("CI"):
             pytest.fail("CI must install GoogleTest (Debian: apt-get install libgtest-dev); .ci/run does")
         pytest.skip("no GoogleTest (apt-get install libgtest-dev)")
-    assert configure.returncode == 0, configure.stdout[-4000:] + configure.stderr[-4000:]
-    result = subprocess.run(["cmake", "--build", str(build), "-j2"], capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return build
+
+    return cmake_build(UNITS, tmp_path_factory.mktemp("units"), without_gtest)
 
 
 def test_the_cores_unit_tests_pass_under_the_sanitizers(build):
