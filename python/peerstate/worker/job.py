@@ -182,29 +182,30 @@ class Job:
         # gloo: a collective or a rendezvous that no abort wakes fails on its own well
         # before the deadline (the members reach form() together: a join is a barrier).
         self._groups = ProcessGroups(self.backend, collective_timeout=abort_timeout / 2,
-                                    connect_timeout=min(abort_timeout / 10, FORM_CONNECT_TIMEOUT))
+                                     connect_timeout=min(abort_timeout / 10, FORM_CONNECT_TIMEOUT))
         claim_pg_timeouts(self._groups, lambda message: report_finding(self._channel, self.rank, self._worker,
-                                                                      self.next_step, message, OVERRIDDEN))
+                                                                       self.next_step, message, OVERRIDDEN))
         self._membership = Membership(env.worker, spare=env.spare)
         self._tracked = TrackedState(nodes, k, data_parallel_shares, versions, snapshot_threads)
         self._meshes: List[Union[DeclaredMesh, BuiltMeshes]] = []
         self._wrappers = DistributedWrappers(self._kv)
         self._checkpoints = checkpoints = DiskCheckpoints(self._tracked, self._wrappers,
-                                                         checkpoint_dir or env.checkpoint_dir,
-                                                         checkpoint_every or env.checkpoint_every,
-                                                         self._coordinator.fail_job)
+                                                          checkpoint_dir or env.checkpoint_dir,
+                                                          checkpoint_every or env.checkpoint_every,
+                                                          self._coordinator.fail_job)
         self._report = RecoveryReport(self._kv, self._channel, self._events, env.world_size)
-        self._boundary = StepBoundary(self._membership, self._tracked, self._kv, self._placement, checkpoints, self._report,
-                                     self._progress, snapshot_every, join_timeout)
+        self._boundary = StepBoundary(self._membership, self._tracked, self._kv, self._placement, checkpoints,
+                                      self._report, self._progress, snapshot_every, join_timeout)
         # The same script without the capture, for the benchmarks' baselines (no failure is survivable).
         self.capture = os.environ.get("PEERSTATE_CAPTURE", "1") != "0"
         self._resume = CheckpointResume(self._kv, checkpoints, self._boundary, self._tracked, self._events)
         self._restorer = Restorer(self._membership, self._tracked, checkpoints, self._report)
-        self._regroup = BusyPeerRegroup(self._coordinator, self._groups, self._events, f"agent{env.node}", env.worker,
-                                       env.world_size, abort_timeout, join_timeout)
-        self._joiner = EpochJoiner(self._membership, self._kv, self._channel, self._coordinator, self._groups, self._tracked,
-                                  self._restorer, self._boundary, self._wrappers, checkpoints, self._report, self._events,
-                                  self._placement, self._regroup, env.world_size, join_timeout, failure_grace)
+        self._regroup = BusyPeerRegroup(self._coordinator, self._groups, self._events, f"agent{env.node}",
+                                        env.worker, env.world_size, abort_timeout, join_timeout)
+        self._joiner = EpochJoiner(self._membership, self._kv, self._channel, self._coordinator, self._groups,
+                                   self._tracked, self._restorer, self._boundary, self._wrappers, checkpoints,
+                                   self._report, self._events, self._placement, self._regroup, env.world_size,
+                                   join_timeout, failure_grace)
         aborts = [self._groups.abort, self._wrappers.abort, lambda epoch: self._replication.abort_transfers(),
                   self._boundary.on_new_epoch]
         self._aborts = AbortHandler(self._membership, aborts, self._events, abort_timeout,
@@ -213,7 +214,7 @@ class Job:
         self._watcher: Optional[EpochWatcher] = None
         self._guard: Optional[StepGuard] = None  # the current step's
         self._checks = StepChecks(self._membership, self._tracked, UnguardedCollectives(self._groups.formed),
-                                 self._channel, self._events)
+                                  self._channel, self._events)
         atexit.register(self.close)  # an exception out of the loop still stops the threads in order
         if env.spare:
             _warm_up()
@@ -456,8 +457,8 @@ class Job:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % self._env.nproc_per_node),
                           GROUP_RANK=str(self._env.node))
         self._replication = Replication(self._tracked.own, rank, self._placement, secret=self._env.secret,
-                                       host=self._env.host, replica_budget_bytes=self._replica_budget_bytes,
-                                       protection=self._env.protection, snapshot_every=self._boundary.snapshot_every)
+                                        host=self._env.host, replica_budget_bytes=self._replica_budget_bytes,
+                                        protection=self._env.protection, snapshot_every=self._boundary.snapshot_every)
         self._joiner.replication = self._restorer.replication = self._boundary.replication = self._replication
         if self._progress:  # if this process hangs, its replacement reads its stores from its memory
             self._progress.set_index_address(self._replication.index_stores())
