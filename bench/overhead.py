@@ -20,9 +20,10 @@ the bytes a step snapshots (see ``step_breakdown``; the timers cost ~1 us a call
 
 ``--model 100m``: the same GPT at 768 wide and 14 layers (99.3M parameters, 1.2 GB
 of state with AdamW's), 1 worker per node by default (4 would not fit 24 GiB
-with their versions and replicas), so each rank snapshots, pushes and holds the
-whole 1.2 GB every step; with the breakdown, whose copy limit is the figure to
-compare the overhead with.
+with their versions and replicas), so each rank snapshots the whole 1.2 GB every
+step (it pushes only its own small state: the data-parallel state is on every
+rank already); with the breakdown, whose copy limit is the figure to compare the
+overhead with.
 
 Run: python bench/overhead.py [--quick] [--workers-per-node N] [--data-parallel-shares N] [--breakdown]
 [--model demo|100m]

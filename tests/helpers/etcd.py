@@ -5,22 +5,18 @@ failure. The fixtures close every cluster they start. ``CuttableLink``: one
 node's route to the store, which a test can cut; ``make_tls``: certificates for
 a TLS cluster."""
 
-import os
 import shutil
 import socket
 import threading
 
-import pytest
-
+from helpers.system import missing
 from peerstate.tools.etcd_cluster import EtcdCluster as _EtcdCluster
 
 
 def require_etcd() -> str:
     binary = shutil.which("etcd")
     if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must install etcd (Debian: apt-get install etcd-server); .ci/run does")
-        pytest.skip("no etcd binary (apt-get install etcd-server)")
+        missing("etcd", "Debian: apt-get install etcd-server")
     return binary
 
 
