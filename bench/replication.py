@@ -154,7 +154,7 @@ def ceiling(protection: str, plain_GBps: float, plain_cpu_per_GB: float, tag_GBp
 
 
 class Rank:
-    def __init__(self, rank, placement, secret, nbytes, connections, fill, protection):
+    def __init__(self, rank, placement, job, nbytes, connections, fill, protection):
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         if fill:
             self.tensor.random_(0, 256, generator=torch.Generator().manual_seed(rank))
@@ -162,7 +162,7 @@ class Rank:
             self.tensor.zero_()
         self.store = peerstate.SnapshotStore()
         self.store.register("state", self.tensor)
-        self.repl = peerstate.Replication(self.store, rank, placement, secret=secret,
+        self.repl = peerstate.Replication(self.store, rank, placement, credentials=job.issue(rank),
                                           connections_per_peer=connections, io_timeout=120, protection=protection)
 
     def close(self):
@@ -178,14 +178,14 @@ def protection_cpu(protection: str, tag_GBps: dict) -> float:
 
 def run(size_mib: int, repeats: int, protection: str, tag_GBps: dict) -> list:
     nbytes = size_mib * MiB
-    secret = secrets.token_bytes(32)
+    job = peerstate._C.JobAuthority(secrets.token_bytes(32))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 3 ranks on 3 "nodes" of one machine
         placement = peerstate.BuddyPlacement(["a", "b", "c"], k=2)
     rows = []
     for connections in (1, 2, 4):
         # Only rank 0's state is moved; the holders' own state is a token 4 KiB.
-        ranks = [Rank(r, placement, secret, nbytes if r == 0 else 4096, connections, fill=(r == 0),
+        ranks = [Rank(r, placement, job, nbytes if r == 0 else 4096, connections, fill=(r == 0),
                       protection=protection) for r in range(3)]
         try:
             addresses = {r: ranks[r].repl.address for r in range(3)}
@@ -216,7 +216,7 @@ def run(size_mib: int, repeats: int, protection: str, tag_GBps: dict) -> list:
                     best = {"pull": (float("inf"), 0.0), "recover": (float("inf"), 0.0)}  # (seconds, CPU seconds)
                     for _ in range(repeats):
                         for what in ("pull", "recover"):
-                            fresh = Rank(0, placement, secret, nbytes, connections, fill=False,
+                            fresh = Rank(0, placement, job, nbytes, connections, fill=False,
                                          protection=protection)
                             fresh.store.allocate()  # a hot spare's memory is ready before the failure
                             fresh.repl.connect(addresses)

@@ -16,6 +16,8 @@ namespace {
 constexpr int kGcmSetIvLength = 0x9;  // EVP_CTRL_GCM_SET_IVLEN
 constexpr int kGcmGetTag = 0x10;      // EVP_CTRL_GCM_GET_TAG
 constexpr int kGcmSetTag = 0x11;      // EVP_CTRL_GCM_SET_TAG
+constexpr int kX25519 = 1034;         // EVP_PKEY_X25519 (NID_X25519)
+constexpr int kEd25519 = 1087;        // EVP_PKEY_ED25519 (NID_ED25519)
 
 struct Library {
   void* (*cipher_ctx_new)() = nullptr;
@@ -28,6 +30,21 @@ struct Library {
   const void* (*sha256)() = nullptr;
   unsigned char* (*hmac)(const void*, const void*, int, const unsigned char*, size_t, unsigned char*,
                          unsigned int*) = nullptr;
+  void* (*pkey_new_raw_private)(int, void*, const unsigned char*, size_t) = nullptr;
+  void* (*pkey_new_raw_public)(int, void*, const unsigned char*, size_t) = nullptr;
+  int (*pkey_get_raw_public)(const void*, unsigned char*, size_t*) = nullptr;
+  void (*pkey_free)(void*) = nullptr;
+  void* (*md_ctx_new)() = nullptr;
+  void (*md_ctx_free)(void*) = nullptr;
+  int (*digest_sign_init)(void*, void**, const void*, void*, void*) = nullptr;
+  int (*digest_sign)(void*, unsigned char*, size_t*, const unsigned char*, size_t) = nullptr;
+  int (*digest_verify_init)(void*, void**, const void*, void*, void*) = nullptr;
+  int (*digest_verify)(void*, const unsigned char*, size_t, const unsigned char*, size_t) = nullptr;
+  void* (*pkey_ctx_new)(void*, void*) = nullptr;
+  void (*pkey_ctx_free)(void*) = nullptr;
+  int (*derive_init)(void*) = nullptr;
+  int (*derive_set_peer)(void*, void*) = nullptr;
+  int (*derive)(void*, unsigned char*, size_t*) = nullptr;
   std::string origin;
   std::string error;
 };
@@ -38,6 +55,8 @@ bool resolve(void* handle, const char* name, T* out) {
   return *out != nullptr;
 }
 
+const Library& library();
+
 bool bind(void* handle, Library* lib) {
   return resolve(handle, "EVP_CIPHER_CTX_new", &lib->cipher_ctx_new) &&
          resolve(handle, "EVP_CIPHER_CTX_free", &lib->cipher_ctx_free) &&
@@ -46,8 +65,42 @@ bool bind(void* handle, Library* lib) {
          resolve(handle, "EVP_CipherUpdate", &lib->cipher_update) &&
          resolve(handle, "EVP_CipherFinal_ex", &lib->cipher_final) &&
          resolve(handle, "EVP_CIPHER_CTX_ctrl", &lib->cipher_ctrl) && resolve(handle, "EVP_sha256", &lib->sha256) &&
-         resolve(handle, "HMAC", &lib->hmac);
+         resolve(handle, "HMAC", &lib->hmac) &&
+         resolve(handle, "EVP_PKEY_new_raw_private_key", &lib->pkey_new_raw_private) &&
+         resolve(handle, "EVP_PKEY_new_raw_public_key", &lib->pkey_new_raw_public) &&
+         resolve(handle, "EVP_PKEY_get_raw_public_key", &lib->pkey_get_raw_public) &&
+         resolve(handle, "EVP_PKEY_free", &lib->pkey_free) && resolve(handle, "EVP_MD_CTX_new", &lib->md_ctx_new) &&
+         resolve(handle, "EVP_MD_CTX_free", &lib->md_ctx_free) &&
+         resolve(handle, "EVP_DigestSignInit", &lib->digest_sign_init) &&
+         resolve(handle, "EVP_DigestSign", &lib->digest_sign) &&
+         resolve(handle, "EVP_DigestVerifyInit", &lib->digest_verify_init) &&
+         resolve(handle, "EVP_DigestVerify", &lib->digest_verify) &&
+         resolve(handle, "EVP_PKEY_CTX_new", &lib->pkey_ctx_new) &&
+         resolve(handle, "EVP_PKEY_CTX_free", &lib->pkey_ctx_free) &&
+         resolve(handle, "EVP_PKEY_derive_init", &lib->derive_init) &&
+         resolve(handle, "EVP_PKEY_derive_set_peer", &lib->derive_set_peer) &&
+         resolve(handle, "EVP_PKEY_derive", &lib->derive);
 }
+
+// Owners of libcrypto's objects, freed on every path.
+struct Key {
+  void* p = nullptr;
+  ~Key() {
+    if (p != nullptr) library().pkey_free(p);
+  }
+};
+struct DigestContext {
+  void* p = nullptr;
+  ~DigestContext() {
+    if (p != nullptr) library().md_ctx_free(p);
+  }
+};
+struct KeyContext {
+  void* p = nullptr;
+  ~KeyContext() {
+    if (p != nullptr) library().pkey_ctx_free(p);
+  }
+};
 
 const Library& library() {
   static Library lib;
@@ -78,6 +131,16 @@ const Library& library() {
 }
 
 Status unavailable() { return Status(StatusCode::kUnavailable, library().error); }
+
+Status public_key_of(int type, const PrivateKey& key, PublicKey* out) {
+  const Library& lib = library();
+  if (lib.origin.empty()) return unavailable();
+  Key k{lib.pkey_new_raw_private(type, nullptr, key.data(), key.size())};
+  size_t length = out->size();
+  if (k.p == nullptr || lib.pkey_get_raw_public(k.p, out->data(), &length) != 1 || length != out->size())
+    return Status(StatusCode::kInternal, "libcrypto refused a private key");
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -115,6 +178,52 @@ Status random_bytes(void* out, size_t nbytes) {
     p += n;
     nbytes -= static_cast<size_t>(n);
   }
+  return Status::Ok();
+}
+
+Status ed25519_public_key(const PrivateKey& key, PublicKey* out) { return public_key_of(kEd25519, key, out); }
+
+Status ed25519_sign(const PrivateKey& key, const void* message, size_t nbytes, Signature* out) {
+  const Library& lib = library();
+  if (lib.origin.empty()) return unavailable();
+  Key k{lib.pkey_new_raw_private(kEd25519, nullptr, key.data(), key.size())};
+  DigestContext context{lib.md_ctx_new()};
+  size_t length = out->size();
+  if (k.p == nullptr || context.p == nullptr ||
+      lib.digest_sign_init(context.p, nullptr, nullptr, nullptr, k.p) != 1 ||
+      lib.digest_sign(context.p, out->data(), &length, static_cast<const unsigned char*>(message), nbytes) != 1 ||
+      length != out->size())
+    return Status(StatusCode::kInternal, "libcrypto's Ed25519 signing failed");
+  return Status::Ok();
+}
+
+Status ed25519_verify(const PublicKey& key, const void* message, size_t nbytes, const Signature& signature) {
+  const Library& lib = library();
+  if (lib.origin.empty()) return unavailable();
+  Key k{lib.pkey_new_raw_public(kEd25519, nullptr, key.data(), key.size())};
+  DigestContext context{lib.md_ctx_new()};
+  if (k.p == nullptr || context.p == nullptr || lib.digest_verify_init(context.p, nullptr, nullptr, nullptr, k.p) != 1)
+    return Status(StatusCode::kAuthenticationError, "not an Ed25519 public key");
+  if (lib.digest_verify(context.p, signature.data(), signature.size(), static_cast<const unsigned char*>(message),
+                        nbytes) != 1)
+    return Status(StatusCode::kAuthenticationError, "a signature does not match its key");
+  return Status::Ok();
+}
+
+Status x25519_public_key(const PrivateKey& key, PublicKey* out) { return public_key_of(kX25519, key, out); }
+
+Status x25519_shared(const PrivateKey& key, const PublicKey& peer, Digest* out) {
+  const Library& lib = library();
+  if (lib.origin.empty()) return unavailable();
+  Key own{lib.pkey_new_raw_private(kX25519, nullptr, key.data(), key.size())};
+  Key theirs{lib.pkey_new_raw_public(kX25519, nullptr, peer.data(), peer.size())};
+  if (own.p == nullptr || theirs.p == nullptr) return Status(StatusCode::kAuthenticationError, "not an X25519 key");
+  KeyContext context{lib.pkey_ctx_new(own.p, nullptr)};
+  size_t length = out->size();
+  // libcrypto refuses a peer value whose shared secret would be all zeros (RFC 7748 section 6.1).
+  if (context.p == nullptr || lib.derive_init(context.p) != 1 || lib.derive_set_peer(context.p, theirs.p) != 1 ||
+      lib.derive(context.p, out->data(), &length) != 1 || length != out->size())
+    return Status(StatusCode::kAuthenticationError, "the peer's X25519 value is refused (of small order?)");
   return Status::Ok();
 }
 

@@ -1,4 +1,4 @@
-// Cryptography from the system's libcrypto (OpenSSL 3 or 1.1), loaded at run
+// Cryptography from the system's libcrypto (OpenSSL 3 or 1.1.1), loaded at run
 // time as NCCL is: never a link-time dependency, so `import peerstate` works
 // where it is missing, and only the replication ports need it. Python's own
 // `ssl` and `hashlib` modules load the same library.
@@ -29,6 +29,23 @@ Status hmac_sha256(const void* key, size_t key_bytes, const void* data, size_t n
 bool digests_equal(const uint8_t* a, const uint8_t* b, size_t nbytes);
 // Bytes from the kernel's CSPRNG (getrandom).
 Status random_bytes(void* out, size_t nbytes);
+
+// Ed25519 (RFC 8032) and X25519 (RFC 7748), for the handshake's certificates
+// and its ephemeral key exchange. A private key is 32 random bytes (an Ed25519
+// seed, or an X25519 scalar); signing is deterministic.
+constexpr size_t kPrivateKeyBytes = 32;
+using PrivateKey = std::array<uint8_t, kPrivateKeyBytes>;
+using PublicKey = std::array<uint8_t, 32>;
+using Signature = std::array<uint8_t, 64>;
+
+Status ed25519_public_key(const PrivateKey& key, PublicKey* out);
+Status ed25519_sign(const PrivateKey& key, const void* message, size_t nbytes, Signature* out);
+// kAuthenticationError unless `signature` is `key`'s over the message.
+Status ed25519_verify(const PublicKey& key, const void* message, size_t nbytes, const Signature& signature);
+Status x25519_public_key(const PrivateKey& key, PublicKey* out);
+// The shared secret of `key` and a peer's public value; kAuthenticationError
+// for a value of small order (the secret would be zero, known to anyone).
+Status x25519_shared(const PrivateKey& key, const PublicKey& peer, Digest* out);
 
 // AES-256-GCM over one message at a time: begin() with a 96-bit nonce that is
 // never used twice with one key, any number of aad() and update() calls (the

@@ -29,7 +29,7 @@ namespace peerstate {
   X(kTimeout, TimeoutError, "TimeoutError", "A deadline passed.")                                              \
   X(kAborted, AbortedError, "", "Cancelled by abort() or close().")                                            \
   X(kConnectionError, PeerConnectionError, "ConnectionError", "A peer closed, reset or could not be reached.") \
-  X(kAuthenticationError, AuthenticationError, "", "A peer failed the job-secret challenge.")                  \
+  X(kAuthenticationError, AuthenticationError, "", "A peer is not certified by this job.")                       \
   X(kProtocolError, ProtocolError, "", "A peer sent a malformed or out-of-bounds message.")                    \
   X(kOutOfMemory, OutOfMemoryError, "MemoryError", "An allocation failed.")                                    \
   X(kInternal, InternalError, "", "A bug in peerstate; please report it.")

@@ -4,13 +4,13 @@
 #include <cstddef>
 #include <string>
 
+#include "net/credentials.h"
 #include "net/wire.h"
 
 namespace peerstate {
 
 struct TcpOptions {
-  std::string secret;               // the job secret; required, at least 16 bytes
-  int rank = -1;                    // this rank
+  Credentials credentials;          // what this end proves (its rank's); required
   FrameProtection protection = FrameProtection::kAuthenticated;  // both ends must agree
   size_t connections_per_peer = 4;  // client side
   long connect_timeout_ms = 5000;

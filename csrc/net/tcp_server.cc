@@ -101,10 +101,8 @@ SnapshotStore* TcpServer::own_store(uint32_t index) const {
 
 Status TcpServer::start(const TcpOptions& options, const std::string& host, int port, ReplicaStore* replicas,
                         SnapshotStore* own, std::unique_ptr<TcpServer>* out) {
-  if (options.secret.size() < 16)
-    return Status(StatusCode::kInvalidArgument,
-                  "the job secret must be at least 16 bytes (got " + std::to_string(options.secret.size()) +
-                      "); generate one per job, e.g. secrets.token_bytes(32)");
+  if (options.credentials.rank() < 0)
+    return Status(StatusCode::kInvalidArgument, "a server needs its rank's credentials (Credentials)");
   if (host.empty())
     return Status(StatusCode::kInvalidArgument,
                   "give the address to listen on (e.g. 127.0.0.1 or this node's interface address); "
@@ -257,7 +255,7 @@ void TcpServer::accept_loop() {
 
 void TcpServer::serve_connection(Connection* c) {
   // A client must finish the handshake quickly: a silent or slow one is not held open.
-  Status st = handshake_server(c->channel, options_.secret, options_.protection, &c->peer_rank,
+  Status st = handshake_server(c->channel, options_.credentials, options_.protection, &c->peer_rank,
                                deadline_after_ms(std::min<long>(options_.io_timeout_ms, kHandshakeMs)));
   if (st.ok() && c->evicted.load()) st = Status(StatusCode::kBusy, "evicted at the end of its handshake");
   if (st.ok()) {
@@ -399,16 +397,17 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
   const int64_t version = h.status == kNewest ? -1 : h.version;
   ServedVersion served;
   Status st;
-  if (h.source_rank == options_.rank) {
+  const int32_t rank = options_.credentials.rank();
+  if (h.source_rank == rank) {
     SnapshotStore* own = own_store(h.store);
     VersionView view;
-    st = own == nullptr ? Status(StatusCode::kNotFound, "rank " + std::to_string(options_.rank) + " serves no store " +
+    st = own == nullptr ? Status(StatusCode::kNotFound, "rank " + std::to_string(rank) + " serves no store " +
                                                             std::to_string(h.store) + " of its own state")
                         : own->view(version, &view, [&c] { c.channel.socket.shutdown(); });
     if (st.ok() && view.checksums.empty())
       st = Status(StatusCode::kUnavailable, "this rank's snapshots have checksums off; they cannot be served");
     if (st.ok()) {
-      served.meta = meta_of(options_.rank, view);
+      served.meta = meta_of(options_.credentials.rank(), view);
       served.data = view.data;
       // The slot is not reused while its bytes are sent, unless the owner needs it: then
       // the socket is shut down (the revoke above), the send fails and the reader gets an error.

@@ -1,10 +1,10 @@
 // TcpServer: the holder side of the tcp transport.
 //
 // It accepts connections on the configured address (loopback by default; never
-// all interfaces unless asked), proves each peer knows the job secret before
-// reading anything else, checks every frame's tag after that (net/wire.h),
+// all interfaces unless asked), has each peer prove its rank's credentials
+// (net/credentials.h) before reading anything else, checks every frame's tag after that (net/wire.h),
 // stores pushed versions in a ReplicaStore and serves pulls from it or from
-// this rank's own SnapshotStores. A peer that sends garbage, a wrong secret, a
+// this rank's own SnapshotStores. A peer that sends garbage, a wrong certificate, a
 // truncated or altered frame or an out-of-range chunk gets its connection
 // closed and a rate-limited log line on stderr; the server keeps running and
 // writes nothing outside the target region (every length is checked against
@@ -18,11 +18,11 @@
 // io_timeout_ms is closed. A connection's thread that cannot be created closes
 // the connection; accept errors (descriptors exhausted) back off up to a second.
 //
-// Without the secret, a connection in its handshake is all a peer can hold, so
+// Without credentials, a connection in its handshake is all a peer can hold, so
 // the handshake caps never turn a newcomer away: the newcomer is admitted, and
 // the oldest handshake of its own source (when that source is at its share) or
 // of the source holding most (when all are taken) is closed. An honest peer
-// answers the challenge within a round trip, long before its handshake is the
+// answers the handshake within a round trip, long before its handshake is the
 // oldest of its source's share or of the busiest source's; any number of silent
 // or trickling connections only evict each other. When accept finds no
 // descriptor, the oldest handshake of the busiest source is closed to free one. So an honest peer is

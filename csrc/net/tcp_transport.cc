@@ -22,8 +22,8 @@ struct TcpTransport::Peer {
 };
 
 Status TcpTransport::create(const TcpOptions& options, std::unique_ptr<TcpTransport>* out) {
-  if (options.secret.size() < 16)
-    return Status(StatusCode::kInvalidArgument, "the job secret must be at least 16 bytes");
+  if (options.credentials.rank() < 0)
+    return Status(StatusCode::kInvalidArgument, "a transport needs its rank's credentials (Credentials)");
   if (options.connections_per_peer == 0)
     return Status(StatusCode::kInvalidArgument, "connections_per_peer must be at least 1");
   out->reset(new TcpTransport(options));
@@ -73,8 +73,13 @@ Status TcpTransport::links(int peer_rank, std::shared_ptr<Peer>* keep, std::vect
       Channel c;
       PEERSTATE_RETURN_IF_ERROR(checked(
           connect_to(peer->host, peer->port, deadline_after_ms(options_.connect_timeout_ms), &c.socket, &cancel_)));
-      Status st = handshake_client(c, options_.secret, options_.rank, options_.protection,
+      int32_t proved = -1;
+      Status st = handshake_client(c, options_.credentials, options_.protection, &proved,
                                    deadline_after_ms(options_.connect_timeout_ms));
+      if (st.ok() && proved != peer_rank)  // an address gone stale, or a peer posing as another rank
+        st = Status(StatusCode::kAuthenticationError, peer->host + ":" + std::to_string(peer->port) +
+                                                          " proved rank " + std::to_string(proved) + ", not the "
+                                                          "rank it was given for");
       if (!st.ok())
         return checked(Status(st.code(), "rank " + std::to_string(peer_rank) + ": " + st.message()));
       l->channel = std::move(c);

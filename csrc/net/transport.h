@@ -21,7 +21,7 @@
 // every chunk is verified against its CRC32C before it is counted as done.
 //
 // Errors: kConnectionError (peer unreachable or gone), kAuthenticationError
-// (peer does not know the job secret), kProtocolError (peer sent garbage),
+// (peer is not certified by this job), kProtocolError (peer sent garbage),
 // kChecksumMismatch (bytes corrupted in transit), kNotFound (peer does not
 // hold the version), kAborted, kTimeout.
 #pragma once

@@ -8,29 +8,62 @@
 namespace peerstate {
 namespace {
 
-constexpr char kAuthMagic[8] = {'P', 'S', 'A', 'U', 'T', 'H', '0', '2'};
+constexpr char kAuthMagic[8] = {'P', 'S', 'A', 'U', 'T', 'H', '0', '3'};
 constexpr size_t kMaxErrorBytes = 64 * 1024;
 constexpr size_t kPiece = 256 * 1024;  // encryption and decryption work in pieces that stay in cache
-
-Status keyed(const std::string& secret, const char* label, const uint8_t* a, const uint8_t* b, const void* extra,
-             size_t extra_bytes, Digest* out) {
-  std::string msg(label);
-  msg.append(reinterpret_cast<const char*>(a), kNonceBytes);
-  msg.append(reinterpret_cast<const char*>(b), kNonceBytes);
-  msg.append(static_cast<const char*>(extra), extra_bytes);
-  return hmac_sha256(secret.data(), secret.size(), msg.data(), msg.size(), out);
-}
 
 void nonce_of(uint64_t counter, uint8_t nonce[Aead::kNonceBytes]) {
   std::memset(nonce, 0, Aead::kNonceBytes);
   std::memcpy(nonce + 4, &counter, sizeof(counter));
 }
 
-// The two frame keys of a connection, from both nonces (the client's makes them fresh).
-Status frame_keys(const std::string& secret, const uint8_t* server_nonce, const uint8_t* client_nonce,
-                  Digest* to_server, Digest* to_client) {
-  PEERSTATE_RETURN_IF_ERROR(keyed(secret, "peerstate-frames-to-server", server_nonce, client_nonce, "", 0, to_server));
-  return keyed(secret, "peerstate-frames-to-client", server_nonce, client_nonce, "", 0, to_client);
+constexpr size_t kShareBytes = 32;
+constexpr size_t kSignatureBytes = 64;
+constexpr size_t kClientBytes = kShareBytes + 1 + kCertificateBytes;  // before its signature
+
+// What one end signs: its label, then every byte of the handshake so far.
+Status sign_exchange(const Credentials& own, const char* label, const std::string& exchange, Signature* out) {
+  const std::string message = label + exchange;
+  return ed25519_sign(own.private_key, message.data(), message.size(), out);
+}
+
+// The peer's certificate (from `bytes`) is the job's, and it signed the exchange with the certified key.
+Status check_peer(const Credentials& own, const uint8_t* bytes, const char* label, const std::string& exchange,
+                  const uint8_t* signature, Certificate* out) {
+  *out = decode_certificate(bytes);
+  PEERSTATE_RETURN_IF_ERROR(check_certificate(own.job_key, *out));
+  Signature sig;
+  std::memcpy(sig.data(), signature, sig.size());
+  const std::string message = label + exchange;
+  Status st = ed25519_verify(out->key, message.data(), message.size(), sig);
+  if (!st.ok())
+    return Status(StatusCode::kAuthenticationError, "the peer showed rank " + std::to_string(out->rank) +
+                                                        "'s certificate without its key (" + st.message() + ")");
+  return Status::Ok();
+}
+
+// The two frame keys of a connection, from the shared secret of both fresh shares.
+Status frame_keys(const PrivateKey& own_share, const uint8_t* peer_share, const uint8_t* server_share,
+                  const uint8_t* client_share, Digest* to_server, Digest* to_client) {
+  PublicKey peer;
+  std::memcpy(peer.data(), peer_share, peer.size());
+  Digest shared;
+  PEERSTATE_RETURN_IF_ERROR(x25519_shared(own_share, peer, &shared));
+  std::string shares(reinterpret_cast<const char*>(server_share), kShareBytes);
+  shares.append(reinterpret_cast<const char*>(client_share), kShareBytes);
+  const std::string to_server_label = "peerstate-frames-to-server" + shares;
+  const std::string to_client_label = "peerstate-frames-to-client" + shares;
+  PEERSTATE_RETURN_IF_ERROR(
+      hmac_sha256(shared.data(), shared.size(), to_server_label.data(), to_server_label.size(), to_server));
+  return hmac_sha256(shared.data(), shared.size(), to_client_label.data(), to_client_label.size(), to_client);
+}
+
+Status fresh_share(PrivateKey* key, uint8_t public_share[kShareBytes]) {
+  PEERSTATE_RETURN_IF_ERROR(random_bytes(key->data(), key->size()));
+  PublicKey share;
+  PEERSTATE_RETURN_IF_ERROR(x25519_public_key(*key, &share));
+  std::memcpy(public_share, share.data(), kShareBytes);
+  return Status::Ok();
 }
 
 }  // namespace
@@ -175,66 +208,76 @@ Status expect_ack(Channel& c, Deadline deadline) {
   return c.end_frame(deadline);
 }
 
-Status handshake_client(Channel& c, const std::string& secret, int32_t rank, FrameProtection protection,
+Status handshake_client(Channel& c, const Credentials& credentials, FrameProtection protection, int32_t* peer_rank,
                         Deadline deadline) {
   Socket& s = c.socket;
-  char magic[8];
-  uint8_t server_nonce[kNonceBytes], client_nonce[kNonceBytes];
-  PEERSTATE_RETURN_IF_ERROR(s.recv_all(magic, sizeof(magic), deadline));
-  if (std::memcmp(magic, kAuthMagic, sizeof(magic)) != 0)
+  uint8_t hello[sizeof(kAuthMagic) + kShareBytes];
+  PEERSTATE_RETURN_IF_ERROR(s.recv_all(hello, sizeof(hello), deadline));
+  if (std::memcmp(hello, kAuthMagic, sizeof(kAuthMagic)) != 0)
     return Status(StatusCode::kProtocolError, s.peer_name() + " is not a peerstate replication server of this "
                                                               "version");
-  PEERSTATE_RETURN_IF_ERROR(s.recv_all(server_nonce, sizeof(server_nonce), deadline));
-  PEERSTATE_RETURN_IF_ERROR(random_bytes(client_nonce, sizeof(client_nonce)));
-  uint8_t bound[5];  // rank and protection, covered by the proof
-  std::memcpy(bound, &rank, 4);
-  bound[4] = static_cast<uint8_t>(protection);
-  Digest proof;
-  PEERSTATE_RETURN_IF_ERROR(keyed(secret, "peerstate-client", server_nonce, client_nonce, bound, 5, &proof));
-  uint8_t reply[kNonceBytes + 32 + 5];
-  std::memcpy(reply, client_nonce, kNonceBytes);
-  std::memcpy(reply + kNonceBytes, proof.data(), 32);
-  std::memcpy(reply + kNonceBytes + 32, bound, 5);
+  const uint8_t* server_share = hello + sizeof(kAuthMagic);
+  PrivateKey own_share;
+  uint8_t reply[kClientBytes + kSignatureBytes];
+  PEERSTATE_RETURN_IF_ERROR(fresh_share(&own_share, reply));
+  reply[kShareBytes] = static_cast<uint8_t>(protection);
+  encode_certificate(credentials.certificate, reply + kShareBytes + 1);
+  std::string exchange(reinterpret_cast<const char*>(hello), sizeof(hello));
+  exchange.append(reinterpret_cast<const char*>(reply), kClientBytes);
+  Signature signature;
+  PEERSTATE_RETURN_IF_ERROR(sign_exchange(credentials, "peerstate-client", exchange, &signature));
+  std::memcpy(reply + kClientBytes, signature.data(), signature.size());
   PEERSTATE_RETURN_IF_ERROR(s.send_all(reply, sizeof(reply), deadline));
-  Digest answer, expected;
-  Status st = s.recv_all(answer.data(), answer.size(), deadline);
+  exchange.append(reinterpret_cast<const char*>(signature.data()), signature.size());
+
+  uint8_t answer[kCertificateBytes + kSignatureBytes];
+  Status st = s.recv_all(answer, sizeof(answer), deadline);
   if (!st.ok())
     return Status(StatusCode::kAuthenticationError,
-                  s.peer_name() + " closed the connection during the handshake: the job secrets or the frame "
-                                  "protections differ? (" + st.message() + ")");
-  PEERSTATE_RETURN_IF_ERROR(keyed(secret, "peerstate-server", client_nonce, server_nonce, bound + 4, 1, &expected));
-  if (!digests_equal(answer.data(), expected.data(), answer.size()))
-    return Status(StatusCode::kAuthenticationError, s.peer_name() + " does not know the job secret");
+                  s.peer_name() + " closed the connection during the handshake: not certified by the same job "
+                                  "secret, or the frame protections differ? (" + st.message() + ")");
+  exchange.append(reinterpret_cast<const char*>(answer), kCertificateBytes);
+  Certificate server;
+  st = check_peer(credentials, answer, "peerstate-server", exchange, answer + kCertificateBytes, &server);
+  if (!st.ok()) return Status(st.code(), s.peer_name() + ": " + st.message());
   Digest to_server, to_client;
-  PEERSTATE_RETURN_IF_ERROR(frame_keys(secret, server_nonce, client_nonce, &to_server, &to_client));
+  PEERSTATE_RETURN_IF_ERROR(frame_keys(own_share, server_share, server_share, reply, &to_server, &to_client));
+  *peer_rank = server.rank;
   return c.start(protection, to_server, to_client);
 }
 
-Status handshake_server(Channel& c, const std::string& secret, FrameProtection protection, int32_t* client_rank,
+Status handshake_server(Channel& c, const Credentials& credentials, FrameProtection protection, int32_t* peer_rank,
                         Deadline deadline) {
   Socket& s = c.socket;
-  uint8_t server_nonce[kNonceBytes];
-  PEERSTATE_RETURN_IF_ERROR(random_bytes(server_nonce, sizeof(server_nonce)));
-  PEERSTATE_RETURN_IF_ERROR(s.send_all(kAuthMagic, sizeof(kAuthMagic), deadline));
-  PEERSTATE_RETURN_IF_ERROR(s.send_all(server_nonce, sizeof(server_nonce), deadline));
-  uint8_t reply[kNonceBytes + 32 + 5];
+  PrivateKey own_share;
+  uint8_t hello[sizeof(kAuthMagic) + kShareBytes];
+  std::memcpy(hello, kAuthMagic, sizeof(kAuthMagic));
+  PEERSTATE_RETURN_IF_ERROR(fresh_share(&own_share, hello + sizeof(kAuthMagic)));
+  PEERSTATE_RETURN_IF_ERROR(s.send_all(hello, sizeof(hello), deadline));
+  uint8_t reply[kClientBytes + kSignatureBytes];
   PEERSTATE_RETURN_IF_ERROR(s.recv_all(reply, sizeof(reply), deadline));
-  const uint8_t* bound = reply + kNonceBytes + 32;
-  Digest expected;
-  PEERSTATE_RETURN_IF_ERROR(keyed(secret, "peerstate-client", server_nonce, reply, bound, 5, &expected));
-  if (!digests_equal(reply + kNonceBytes, expected.data(), expected.size()))
-    return Status(StatusCode::kAuthenticationError, "client failed the job-secret challenge");
-  if (bound[4] != static_cast<uint8_t>(protection))
+  std::string exchange(reinterpret_cast<const char*>(hello), sizeof(hello));
+  exchange.append(reinterpret_cast<const char*>(reply), kClientBytes);
+  Certificate client;
+  Status st = check_peer(credentials, reply + kShareBytes + 1, "peerstate-client", exchange, reply + kClientBytes,
+                         &client);
+  if (!st.ok()) return Status(st.code(), "client failed the handshake: " + st.message());
+  if (reply[kShareBytes] != static_cast<uint8_t>(protection))
     return Status(StatusCode::kAuthenticationError,
                   std::string("client asked for frame protection '") +
-                      protection_name(static_cast<FrameProtection>(bound[4])) + "', this server uses '" +
+                      protection_name(static_cast<FrameProtection>(reply[kShareBytes])) + "', this server uses '" +
                       protection_name(protection) + "': every rank of a job must use the same");
-  Digest answer;
-  PEERSTATE_RETURN_IF_ERROR(keyed(secret, "peerstate-server", reply, server_nonce, bound + 4, 1, &answer));
-  PEERSTATE_RETURN_IF_ERROR(s.send_all(answer.data(), answer.size(), deadline));
-  std::memcpy(client_rank, bound, 4);
+  exchange.append(reinterpret_cast<const char*>(reply + kClientBytes), kSignatureBytes);
+  uint8_t answer[kCertificateBytes + kSignatureBytes];
+  encode_certificate(credentials.certificate, answer);
+  exchange.append(reinterpret_cast<const char*>(answer), kCertificateBytes);
+  Signature signature;
+  PEERSTATE_RETURN_IF_ERROR(sign_exchange(credentials, "peerstate-server", exchange, &signature));
+  std::memcpy(answer + kCertificateBytes, signature.data(), signature.size());
+  PEERSTATE_RETURN_IF_ERROR(s.send_all(answer, sizeof(answer), deadline));
   Digest to_server, to_client;
-  PEERSTATE_RETURN_IF_ERROR(frame_keys(secret, server_nonce, reply, &to_server, &to_client));
+  PEERSTATE_RETURN_IF_ERROR(frame_keys(own_share, reply, hello + sizeof(kAuthMagic), reply, &to_server, &to_client));
+  *peer_rank = client.rank;
   return c.start(protection, to_client, to_server);
 }
 

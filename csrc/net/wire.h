@@ -12,13 +12,16 @@
 // unknown types, lengths over a bound, metadata that does not describe a
 // consistent layout are protocol errors.
 //
-// Handshake (mutual HMAC-SHA256 over fresh nonces; the secret never travels):
-//   server -> client  "PSAUTH02" | server_nonce[32]
-//   client -> server  client_nonce[32] | HMAC(secret, "peerstate-client" | server_nonce | client_nonce | rank | protection)
-//                     | rank:i32 | protection:u8
-//   server -> client  HMAC(secret, "peerstate-server" | client_nonce | server_nonce | protection)
-// Frame keys: HMAC(secret, "peerstate-frames-to-server" | server_nonce | client_nonce) and "-to-client"
-// (both ends must use the same protection: a mismatch fails the handshake).
+// Handshake: each end shows its rank's certificate (net/credentials.h) and
+// signs the exchange with its own key; fresh X25519 shares make the frame keys.
+// No secret travels, and a worker can prove only the rank it was certified for.
+//   server -> client  "PSAUTH03" | server_share[32]
+//   client -> server  client_share[32] | protection:u8 | client certificate[100]
+//                     | Ed25519(client key, "peerstate-client" | all bytes above, both ways)
+//   server -> client  server certificate[100]
+//                     | Ed25519(server key, "peerstate-server" | all bytes above, both ways)
+// Frame keys: HMAC(X25519(shares), "peerstate-frames-to-server" | server_share | client_share) and
+// "-to-client" (both ends must use the same protection: a mismatch fails the handshake).
 #pragma once
 
 #include <cstddef>
@@ -29,6 +32,7 @@
 
 #include "common/crypto.h"
 #include "common/status.h"
+#include "net/credentials.h"
 #include "net/socket.h"
 #include "store/version_meta.h"
 
@@ -38,7 +42,6 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the wire format is lit
 
 constexpr uint32_t kFrameMagic = 0x31765350;  // "PSv1"
 constexpr size_t kMaxMetadataBytes = 64u << 20;  // also bounded by the receiver's reservation
-constexpr size_t kNonceBytes = 32;
 
 enum class FrameType : uint16_t {
   kPutBegin = 1,  // client: metadata of (source_rank, version) follows
@@ -148,9 +151,13 @@ Status expect_ack(Channel& c, Deadline deadline);
 // returns the error it carries.
 Status read_error(Channel& c, const FrameHeader& header, Deadline deadline);
 
-Status handshake_client(Channel& c, const std::string& secret, int32_t rank, FrameProtection protection,
+// The two ends of the handshake; on success the channel's frames are protected
+// and *peer_rank is the rank the other end proved. kAuthenticationError: the
+// peer is not certified by this job, or the protections differ; a connection
+// that fails is not usable.
+Status handshake_client(Channel& c, const Credentials& credentials, FrameProtection protection, int32_t* peer_rank,
                         Deadline deadline);
-Status handshake_server(Channel& c, const std::string& secret, FrameProtection protection, int32_t* client_rank,
+Status handshake_server(Channel& c, const Credentials& credentials, FrameProtection protection, int32_t* peer_rank,
                         Deadline deadline);
 
 }  // namespace peerstate

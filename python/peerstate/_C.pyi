@@ -178,10 +178,40 @@ def read_process_index(pid: int, address: int) -> List[Tuple[int, int, int, int,
     UnavailableError: not permitted; PeerConnectionError: gone or unmapped; ProtocolError:
     no index there."""
 
+class Credentials:
+    """What a rank proves in the replication handshake: its private key, the job's
+    certificate of (rank, its public key), and the job's public key (csrc/net/credentials.h).
+    InvalidArgumentError unless the certificate certifies this key as this rank."""
+
+    def __init__(self, rank: int, private_key: bytes, certificate: bytes, job_key: bytes) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def private_key(self) -> bytes: ...
+    @property
+    def certificate(self) -> bytes:
+        """The job authority's Ed25519 signature (64 bytes)."""
+    @property
+    def public_key(self) -> bytes: ...
+    @property
+    def job_key(self) -> bytes: ...
+
+class JobAuthority:
+    """The job's issuer of credentials, derived from the job secret (>= 16 bytes):
+    every holder of the secret (the agents) derives the same one."""
+
+    def __init__(self, secret: bytes) -> None: ...
+    @property
+    def public_key(self) -> bytes: ...
+    def certify(self, rank: int, private_key: bytes) -> bytes:
+        """The certificate (64 bytes) of `rank` for the holder of `private_key` (32 bytes)."""
+    def issue(self, rank: int) -> Credentials:
+        """A fresh private key and its certificate for `rank`."""
+
 class TcpServer:
     """Serves pushes into `replicas` and pulls from them or from this rank's own stores
-    (`own_store` is store 0; `serve` adds more), after a mutual HMAC-SHA256 handshake
-    on the job secret. Binds `host` (loopback by default). Hostile peers get their
+    (`own_store` is store 0; `serve` adds more), after a handshake in which each end
+    proves its rank's credentials (csrc/net/wire.h). Binds `host` (loopback by default). Hostile peers get their
     connection closed and a log line on stderr (see csrc/net/tcp_server.h)."""
 
     def __init__(
@@ -189,8 +219,7 @@ class TcpServer:
         replicas: ReplicaStore,
         own_store: Optional[SnapshotStore],
         *,
-        secret: bytes,
-        rank: int,
+        credentials: Credentials,
         host: str = "127.0.0.1",
         port: int = 0,
         io_timeout_ms: int = 30000,
@@ -233,14 +262,14 @@ class TcpTransport(Transport):
     def __init__(
         self,
         *,
-        secret: bytes,
-        rank: int,
+        credentials: Credentials,
         connections_per_peer: int = 4,
         connect_timeout_ms: int = 5000,
         io_timeout_ms: int = 30000,
         protection: str = "authenticated",
     ) -> None: ...
-    def add_peer(self, rank: int, host: str, port: int) -> None: ...
+    def add_peer(self, rank: int, host: str, port: int) -> None:
+        """Where `rank` listens; a server there that proves another rank is refused."""
 
 class Replicator:
     """Pushes committed versions of `store` to holders (background, one round in

@@ -36,21 +36,22 @@ def test_no_module_but_keys_spells_a_store_key(module):
 def test_the_environment_round_trips():
     env = WorkerEnvironment(store="127.0.0.1:2900", worker="n1.2", spare=False, world_size=4, nproc_per_node=2,
                             node=1, host="127.0.0.2", progress="/dev/shm/p", events="/tmp/e.jsonl",
-                            secret=bytes(range(32)), rank=3, checkpoint_dir="/ckpt", checkpoint_every=5,
+                            private_key=bytes(range(32)), job_key=bytes(32), certificate=bytes(64), rank=3,
+                            checkpoint_dir="/ckpt", checkpoint_every=5,
                             node_store="127.0.0.1:2901")
     variables = env.to_env()
     assert variables["RANK"] == "3" and variables["LOCAL_RANK"] == "1" and variables["MASTER_PORT"] == "2900"
     assert WorkerEnvironment.from_env(variables) == env
 
 
-def test_a_spare_gets_no_rank_and_reads_back_as_a_spare():
+def test_a_spare_gets_no_rank_nor_certificate_and_reads_back_as_a_spare():
     env = WorkerEnvironment(store="h:1", worker="n0.2", spare=True, world_size=2, nproc_per_node=2, node=0,
-                            secret=b"k" * 16, node_store="127.0.0.1:2")
+                            private_key=b"k" * 32, job_key=b"j" * 32, node_store="127.0.0.1:2")
     variables = env.to_env()
-    assert "RANK" not in variables
+    assert "RANK" not in variables and "PEERSTATE_CERTIFICATE" not in variables
     assert WorkerEnvironment.from_env(variables) == env
-    del variables["PEERSTATE_SECRET"]
-    with pytest.raises(InvalidArgumentError, match="PEERSTATE_SECRET is not set"):
+    del variables["PEERSTATE_RANK_KEY"]
+    with pytest.raises(InvalidArgumentError, match="PEERSTATE_RANK_KEY is not set"):
         WorkerEnvironment.from_env(variables)
 
 
@@ -61,15 +62,16 @@ def test_outside_peerstate_run_the_error_says_how_to_start():
 
 def worker_variables():
     return WorkerEnvironment(store="h:1", worker="n0.0", spare=False, world_size=2, nproc_per_node=2, node=0,
-                             rank=0, secret=b"k" * 16, node_store="127.0.0.1:2").to_env()
+                             rank=0, private_key=b"k" * 32, job_key=b"j" * 32, certificate=b"c" * 64,
+                             node_store="127.0.0.1:2").to_env()
 
 
 def test_a_malformed_variable_is_named():
     variables = worker_variables()
     with pytest.raises(InvalidArgumentError, match="malformed: .*'nine'"):
         WorkerEnvironment.from_env({**variables, "PEERSTATE_STORE": "h:nine"})
-    with pytest.raises(InvalidArgumentError, match="^PEERSTATE_SECRET must be hexadecimal"):
-        WorkerEnvironment.from_env({**variables, "PEERSTATE_SECRET": "zz"})
+    with pytest.raises(InvalidArgumentError, match="^PEERSTATE_CERTIFICATE must be hexadecimal"):
+        WorkerEnvironment.from_env({**variables, "PEERSTATE_CERTIFICATE": "zz"})
 
 
 def test_a_missing_variable_is_named():

@@ -59,7 +59,7 @@ class Peer:
         self.store.register_many(self.tensors)
         self.placement = peerstate.BuddyPlacement(nodes, k=k, replica_groups=groups)
         self.replication = peerstate.Replication(
-            self.store, rank, self.placement, secret=bytes.fromhex(secret),
+            self.store, rank, self.placement, credentials=peerstate._C.JobAuthority(bytes.fromhex(secret)).issue(rank),
             connections_per_peer=connections, io_timeout=io_timeout)
         return {"port": self.replication.address[1], "bytes_per_version": self.store.memory()["bytes_per_version"]}
 

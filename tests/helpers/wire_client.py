@@ -1,22 +1,30 @@
 """An independent client of the tcp transport's wire format (handshake and
-AES-256-GCM frames, written from the description in csrc/net/wire.h with
-Python's hmac and the cryptography package), and ``Rig``: a real holder with
+AES-256-GCM frames, written from the description in csrc/net/wire.h and
+csrc/net/credentials.h with Python's hmac and the cryptography package), and ``Rig``: a real holder with
 state to keep intact, for the tests of hostile peers."""
 
 import hashlib
 import hmac
-import os
 import secrets
 import socket
 import struct
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 import peerstate
 from peerstate import _C
 
 SECRET = secrets.token_bytes(32)
+AUTHORITY = _C.JobAuthority(SECRET)  # what every agent of this job derives from SECRET
+
+
+def credentials(rank):
+    """Fresh credentials of ``rank`` in this job, as an agent issues them."""
+    return AUTHORITY.issue(rank)
+
 HEADER = struct.Struct("<IHHiIqQII")
 MAGIC = 0x31765350
 PUT_BEGIN, PUT_CHUNK, PUT_COMMIT, GET_META, GET_CHUNK, META, CHUNK, ACK, ERROR = range(1, 10)
@@ -33,6 +41,8 @@ def recv_exact(sock, n):
 
 
 PROTECTIONS = {"authenticated": 1, "encrypted": 2, "trusted-fabric": 3}
+CERTIFICATE_BYTES = 4 + 32 + 64  # rank, its public key, the job's signature
+CLIENT_HANDSHAKE_BYTES = 32 + 1 + CERTIFICATE_BYTES + 64  # share, protection, certificate, signature
 
 
 class Session:
@@ -81,21 +91,32 @@ class Session:
         return fields, payload
 
 
-def authenticate(sock, secret=SECRET, rank=0, protection="authenticated"):
-    """The client side of the handshake, written from the protocol description with
-    Python's own hmac: an independent check of the native implementation."""
-    assert recv_exact(sock, 8) == b"PSAUTH02"
-    server_nonce = recv_exact(sock, 32)
-    client_nonce = os.urandom(32)
-    bound = struct.pack("<iB", rank, PROTECTIONS[protection])
-    proof = hmac.new(secret, b"peerstate-client" + server_nonce + client_nonce + bound, hashlib.sha256).digest()
-    sock.sendall(client_nonce + proof + bound)
-    answer = recv_exact(sock, 32)
-    assert answer == hmac.new(secret, b"peerstate-server" + client_nonce + server_nonce + bound[4:],
-                              hashlib.sha256).digest()
+def authenticate(sock, rank=0, protection="authenticated", own=None, claim=None):
+    """The client side of the handshake as ``rank`` (or with the credentials ``own``),
+    written from the protocol description with the cryptography package: an
+    independent check of the native implementation. ``claim``: the rank written
+    into the certificate shown, when it differs from the one certified (a forgery).
+    Returns the Session; the server's certificate and signature are checked."""
+    own = own or credentials(rank)
+    hello = recv_exact(sock, 8 + 32)
+    assert hello[:8] == b"PSAUTH03"
+    server_share = hello[8:]
+    ephemeral = X25519PrivateKey.generate()
+    share = ephemeral.public_key().public_bytes_raw()
+    certificate = struct.pack("<i", own.rank if claim is None else claim) + own.public_key + own.certificate
+    body = share + bytes([PROTECTIONS[protection]]) + certificate
+    signature = Ed25519PrivateKey.from_private_bytes(own.private_key).sign(b"peerstate-client" + hello + body)
+    sock.sendall(body + signature)
+    answer = recv_exact(sock, CERTIFICATE_BYTES + 64)
+    server_certificate, server_signature = answer[:100], answer[100:]
+    Ed25519PublicKey.from_public_bytes(own.job_key).verify(
+        server_certificate[36:100], b"peerstate-rank-certificate" + server_certificate[:36])
+    Ed25519PublicKey.from_public_bytes(server_certificate[4:36]).verify(
+        server_signature, b"peerstate-server" + hello + body + signature + server_certificate)
+    shared = ephemeral.exchange(X25519PublicKey.from_public_bytes(server_share))
 
     def key(label):
-        return hmac.new(secret, label + server_nonce + client_nonce, hashlib.sha256).digest()
+        return hmac.new(shared, label + server_share + share, hashlib.sha256).digest()
 
     return Session(sock, protection, key(b"peerstate-frames-to-server"), key(b"peerstate-frames-to-client"))
 
@@ -144,12 +165,13 @@ class Rig:
 
         self.replicas = _C.ReplicaStore(budget_bytes=64 << 20)
         self.replicas.reserve(0, self.source_store.memory()["bytes_per_version"])
-        self.server = _C.TcpServer(self.replicas, self.own_store.native, secret=SECRET, rank=1, io_timeout_ms=1000)
+        self.server = _C.TcpServer(self.replicas, self.own_store.native, credentials=credentials(1),
+                                   io_timeout_ms=1000)
         self.address = ("127.0.0.1", self.server.port)
         # The client's io timeout as the server's, as a job configures both ends: it reopens a pooled
         # connection idle for half of it, before the server closes it. With the default (30 s) it reused
         # connections the server had closed after 1 s, and under load a describe met one mid-close.
-        self.transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=2, io_timeout_ms=1000)
+        self.transport = _C.TcpTransport(credentials=credentials(0), connections_per_peer=2, io_timeout_ms=1000)
         self.transport.add_peer(1, *self.address)
         replicator = _C.Replicator(self.source_store.native, self.transport, 0)
         replicator.replicate(1, [1])

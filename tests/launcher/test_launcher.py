@@ -1,5 +1,7 @@
 """`peerstate run` refuses bad configurations with a clear error, and nothing hangs."""
 
+import os
+import secrets
 import subprocess
 import sys
 
@@ -78,7 +80,9 @@ def test_job_outside_the_launcher_says_how_to_start_it(monkeypatch):
 
 
 MODULE = """
+import os
 import peerstate
+print("job secret in the environment:", "PEERSTATE_SECRET" in os.environ, flush=True)
 with peerstate.Job() as job:
     job.track(extras={"count": 0})
     for step in job.steps(3):
@@ -89,8 +93,9 @@ with peerstate.Job() as job:
 
 
 @pytest.mark.parametrize("preload", [None, ""], ids=["forked", "own-interpreter"])
-def test_a_module_is_run_as_python_m_runs_it(tmp_path, preload):
+def test_a_module_is_run_as_python_m_runs_it_without_the_job_secret(tmp_path, preload):
     # torchrun -m torchtitan.train ...: trainers are started as modules, from the working directory.
+    # The agent is given the job secret; its workers get only credentials of their own rank.
     package = tmp_path / "trainer"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -98,9 +103,12 @@ def test_a_module_is_run_as_python_m_runs_it(tmp_path, preload):
     logs = tmp_path / "logs"
     result = subprocess.run([sys.executable, "-m", "peerstate", "run", "--nproc-per-node", "2", "--log-dir", str(logs),
                              *([] if preload is None else ["--preload", preload]), "-m", "trainer.train"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PEERSTATE_SECRET": secrets.token_hex(32)})
     assert result.returncode == 0, result.stderr + (logs / "n0.0.log").read_text()
-    assert "module ran as __main__ count 3" in (logs / "n0.0.log").read_text()
+    for worker in ("n0.0", "n0.1"):
+        log = (logs / f"{worker}.log").read_text()
+        assert "module ran as __main__ count 3" in log and "job secret in the environment: False" in log, log
 
 
 def test_a_fault_free_run_says_nothing_a_user_must_learn_to_ignore(tmp_path):

@@ -7,7 +7,7 @@ import torch
 import peerstate
 from peerstate import _C
 
-from helpers.wire_client import SECRET
+from helpers.wire_client import credentials
 
 
 @pytest.mark.parametrize("values, connections", [(1_000, 1), (200_000, 4)], ids=["one-chunk", "many-chunks"])
@@ -19,8 +19,8 @@ def test_a_push_opens_no_more_connections_than_it_has_chunks(values, connections
     source.register("w", torch.arange(values, dtype=torch.float32))
     replicas = _C.ReplicaStore(budget_bytes=16 << 20)
     replicas.reserve(0, source.memory()["bytes_per_version"])
-    server = _C.TcpServer(replicas, None, secret=SECRET, rank=1)
-    transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=4)
+    server = _C.TcpServer(replicas, None, credentials=credentials(1))
+    transport = _C.TcpTransport(credentials=credentials(0), connections_per_peer=4)
     transport.add_peer(1, "127.0.0.1", server.port)
     replicator = _C.Replicator(source.native, transport, 0)
     try:

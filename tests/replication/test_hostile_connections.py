@@ -18,7 +18,7 @@ import pytest
 import peerstate
 from peerstate import _C
 
-from helpers.wire_client import SECRET, authenticate, closed_by_server
+from helpers.wire_client import SECRET, authenticate, closed_by_server, credentials
 
 
 def threads_of_this_process():
@@ -107,7 +107,7 @@ def test_connections_that_never_finish_their_handshake_never_keep_an_honest_peer
         while flood.opened < 100:  # the server's handshake table is full before the honest peer comes
             time.sleep(0.05)
         for _ in range(10):
-            honest = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1)  # a new connection each time
+            honest = _C.TcpTransport(credentials=credentials(0), connections_per_peer=1)  # a new connection each time
             honest.add_peer(1, *rig.address)
             try:
                 assert honest.describe(1, 0, -1)["version"] == 1
@@ -133,7 +133,8 @@ SERVER_WITH_FEW_DESCRIPTORS = textwrap.dedent("""
     import os, resource, sys, time
     from peerstate import _C
     replicas = _C.ReplicaStore()
-    server = _C.TcpServer(replicas, None, secret=bytes.fromhex(sys.argv[1]), rank=1, io_timeout_ms=2000)
+    credentials = _C.JobAuthority(bytes.fromhex(sys.argv[1])).issue(1)
+    server = _C.TcpServer(replicas, None, credentials=credentials, io_timeout_ms=2000)
     used = len(os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (used + 6, used + 6))
     print(server.port, flush=True)
@@ -164,7 +165,7 @@ def server_with_few_descriptors(tmp_path):
 
 def served(port):
     """Whether a new connection from an honest peer is served (it holds nothing, and says so)."""
-    transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1)
+    transport = _C.TcpTransport(credentials=credentials(0), connections_per_peer=1)
     transport.add_peer(1, "127.0.0.1", port)
     try:
         transport.describe(1, 0, -1)
@@ -213,7 +214,8 @@ SERVER_WITH_FEW_THREADS = textwrap.dedent("""
     import os, resource, sys, time
     from peerstate import _C
     replicas = _C.ReplicaStore()
-    server = _C.TcpServer(replicas, None, secret=bytes.fromhex(sys.argv[1]), rank=1, io_timeout_ms=3000)
+    credentials = _C.JobAuthority(bytes.fromhex(sys.argv[1])).issue(1)
+    server = _C.TcpServer(replicas, None, credentials=credentials, io_timeout_ms=3000)
     os.setgid(65534)  # nobody: root is not held to RLIMIT_NPROC, a user is
     os.setuid(65534)
     threads = len(os.listdir("/proc/self/task"))

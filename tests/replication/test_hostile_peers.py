@@ -16,8 +16,8 @@ import torch
 import peerstate
 from peerstate import _C
 
-from helpers.wire_client import (ACK, ERROR, GET_CHUNK, HEADER, PUT_BEGIN, PUT_CHUNK, PUT_COMMIT, SECRET,
-                                 authenticate, closed_by_server, frame, meta_bytes, recv_exact)
+from helpers.wire_client import (ACK, CLIENT_HANDSHAKE_BYTES, ERROR, GET_CHUNK, HEADER, PUT_BEGIN, PUT_CHUNK,
+                                 PUT_COMMIT, authenticate, credentials, closed_by_server, frame, meta_bytes, recv_exact)
 
 
 def rss_bytes():
@@ -67,7 +67,7 @@ class Relay:
     def _pipe(self, source, sink, from_client):
         try:
             if from_client:  # the handshake's client part, as is
-                sink.sendall(recv_exact(source, 32 + 32 + 5))
+                sink.sendall(recv_exact(source, CLIENT_HANDSHAKE_BYTES))
             tag = 0 if self.protection == "trusted-fabric" else 16
             while True:
                 if not from_client:
@@ -111,9 +111,9 @@ def push_through_relay(protection, rewrite=True):
     source.snapshot(1).wait()
     replicas = _C.ReplicaStore(budget_bytes=16 << 20)
     replicas.reserve(0, source.memory()["bytes_per_version"])
-    server = _C.TcpServer(replicas, None, secret=SECRET, rank=1, protection=protection)
+    server = _C.TcpServer(replicas, None, credentials=credentials(1), protection=protection)
     relay = Relay(("127.0.0.1", server.port), protection, rewrite)
-    transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1, protection=protection)
+    transport = _C.TcpTransport(credentials=credentials(0), connections_per_peer=1, protection=protection)
     transport.add_peer(1, "127.0.0.1", relay.port)
     replicator = _C.Replicator(source.native, transport, 0)
     replicator.replicate(1, [1])
@@ -149,7 +149,7 @@ def test_encrypted_frames_hide_the_state_and_both_modes_deliver_it(protection):
 
 
 def test_a_protection_mismatch_fails_the_handshake_and_says_so(rig):
-    other = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1, protection="encrypted")
+    other = _C.TcpTransport(credentials=credentials(0), connections_per_peer=1, protection="encrypted")
     other.add_peer(1, *rig.address)
     with pytest.raises(peerstate.AuthenticationError):
         other.describe(1, 0, -1)
@@ -192,8 +192,8 @@ def test_a_stuck_reader_or_a_stalled_writer_never_keeps_a_ranks_next_version_out
     source.register("state", state)
     replicas = _C.ReplicaStore(budget_bytes=1 << 30)
     replicas.reserve(0, source.memory()["bytes_per_version"])
-    server = _C.TcpServer(replicas, None, secret=SECRET, rank=1, io_timeout_ms=60_000)
-    transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=2, io_timeout_ms=60_000)
+    server = _C.TcpServer(replicas, None, credentials=credentials(1), io_timeout_ms=60_000)
+    transport = _C.TcpTransport(credentials=credentials(0), connections_per_peer=2, io_timeout_ms=60_000)
     transport.add_peer(1, "127.0.0.1", server.port)
     replicator = _C.Replicator(source.native, transport, 0)
 
@@ -240,7 +240,7 @@ def test_metadata_announced_within_the_bound_holds_memory_only_as_it_arrives(rig
     # sends none of it; 16 connections under each of 3 claimed ranks. The server waits
     # for the bytes (a 10 s io timeout, so none is let go while this measures): what it
     # holds meanwhile must follow what arrived, a piece per connection, not what was announced.
-    server = _C.TcpServer(rig.replicas, rig.own_store.native, secret=SECRET, rank=1, io_timeout_ms=10_000)
+    server = _C.TcpServer(rig.replicas, rig.own_store.native, credentials=credentials(1), io_timeout_ms=10_000)
     socks = []
     try:
         before = rss_bytes()
@@ -352,7 +352,7 @@ def stuck_reader():
     store.snapshot(7).wait()
     state.fill_(1.0)
     store.snapshot(8).wait()
-    server = _C.TcpServer(_C.ReplicaStore(), store.native, secret=SECRET, rank=1, io_timeout_ms=60_000)
+    server = _C.TcpServer(_C.ReplicaStore(), store.native, credentials=credentials(1), io_timeout_ms=60_000)
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
     try:
         session = authenticate(sock)

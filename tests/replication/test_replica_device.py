@@ -22,7 +22,7 @@ def test_device_replicas_without_a_gpu_are_a_clear_error():
 @pytest.mark.skipif(not peerstate.cuda_available(), reason="no CUDA GPU here "
                     f"(peerstate.cuda_compiled()={peerstate.cuda_compiled()})")
 def test_device_replicas_round_trip():
-    secret = secrets.token_bytes(32)
+    job = peerstate._C.JobAuthority(secrets.token_bytes(32))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         placement = peerstate.BuddyPlacement(["a", "b"], k=1)
@@ -31,8 +31,8 @@ def test_device_replicas_round_trip():
     source.register("x", source_tensor)
     holder = peerstate.SnapshotStore()
     holder.register("x", torch.zeros(16, dtype=torch.uint8))
-    ends = [peerstate.Replication(source, 0, placement, secret=secret),
-            peerstate.Replication(holder, 1, placement, secret=secret, replica_device=0,
+    ends = [peerstate.Replication(source, 0, placement, credentials=job.issue(0)),
+            peerstate.Replication(holder, 1, placement, credentials=job.issue(1), replica_device=0,
                                   replica_budget_bytes=1 << 30)]
     fresh = None
     try:
@@ -48,7 +48,7 @@ def test_device_replicas_round_trip():
         target = torch.zeros_like(source_tensor)
         store = peerstate.SnapshotStore(chunk_bytes=4 << 20)
         store.register("x", target)
-        fresh = peerstate.Replication(store, 0, placement, secret=secret)
+        fresh = peerstate.Replication(store, 0, placement, credentials=job.issue(0))
         fresh.connect({1: ends[1].address})
         assert fresh.recover(0) == 1
         assert torch.equal(target, source_tensor)

@@ -17,7 +17,7 @@ import pytest
 import peerstate
 from peerstate import _C
 
-from helpers.wire_client import (ACK, ERROR, GET_CHUNK, GET_META, PUT_BEGIN, PUT_CHUNK, PUT_COMMIT, SECRET,
+from helpers.wire_client import (ACK, ERROR, GET_CHUNK, GET_META, PUT_BEGIN, PUT_CHUNK, PUT_COMMIT, credentials,
                                  authenticate, closed_by_server, frame, recv_exact)
 
 def test_native_hmac_matches_python():
@@ -36,13 +36,19 @@ def test_the_frame_protections_pass_is_measured_through_the_transports_libcrypto
         _C.frame_protection_throughput("trusted-fabric", 1 << 20, 1)
 
 
-def test_short_secret_and_wildcard_address_must_be_explicit():
+def test_short_secret_forged_credentials_and_wildcard_address_must_be_explicit():
     replicas = _C.ReplicaStore()
     with pytest.raises(peerstate.InvalidArgumentError, match="at least 16 bytes"):
-        _C.TcpServer(replicas, None, secret=b"short", rank=0)
-    with pytest.raises(peerstate.InvalidArgumentError, match="at least 16 bytes"):
-        _C.TcpTransport(secret=b"short", rank=0)
-    server = _C.TcpServer(replicas, None, secret=SECRET, rank=0)  # default: loopback only
+        _C.JobAuthority(b"short")
+    own = credentials(0)
+    # A certificate moved to another rank, or to another key, is refused before anything listens.
+    with pytest.raises(peerstate.InvalidArgumentError, match="does not certify this private key as rank 1"):
+        _C.Credentials(1, own.private_key, own.certificate, own.job_key)
+    with pytest.raises(peerstate.InvalidArgumentError, match="does not certify"):
+        _C.Credentials(0, secrets.token_bytes(32), own.certificate, own.job_key)
+    with pytest.raises(peerstate.InvalidArgumentError, match="certificate must be 64 bytes"):
+        _C.Credentials(0, own.private_key, own.certificate[:10], own.job_key)
+    server = _C.TcpServer(replicas, None, credentials=credentials(0))  # default: loopback only
     try:
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.2", server.port), timeout=1).close()  # not bound there
@@ -51,13 +57,14 @@ def test_short_secret_and_wildcard_address_must_be_explicit():
 
 
 def test_wrong_secret_is_refused_both_ways(rig, capfd):
-    intruder = _C.TcpTransport(secret=secrets.token_bytes(32), rank=0, connections_per_peer=1)
+    other_job = _C.JobAuthority(secrets.token_bytes(32))
+    intruder = _C.TcpTransport(credentials=other_job.issue(0), connections_per_peer=1)
     intruder.add_peer(1, *rig.address)
-    with pytest.raises(peerstate.AuthenticationError, match="job secret"):
+    with pytest.raises(peerstate.AuthenticationError, match="not certified by the same job secret"):
         intruder.describe(1, 0, -1)
     # A server that does not know the secret is refused by an honest client too.
-    impostor = _C.TcpServer(_C.ReplicaStore(), None, secret=secrets.token_bytes(32), rank=1)
-    honest = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1)
+    impostor = _C.TcpServer(_C.ReplicaStore(), None, credentials=other_job.issue(1))
+    honest = _C.TcpTransport(credentials=credentials(0), connections_per_peer=1)
     honest.add_peer(1, "127.0.0.1", impostor.port)
     with pytest.raises(peerstate.AuthenticationError):
         honest.describe(1, 0, -1)
@@ -206,7 +213,7 @@ class SilentServer:
 
 def test_timeout_on_a_hung_peer():
     silent = SilentServer()
-    transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1, connect_timeout_ms=300)
+    transport = _C.TcpTransport(credentials=credentials(0), connections_per_peer=1, connect_timeout_ms=300)
     transport.add_peer(1, "127.0.0.1", silent.port)
     start = time.monotonic()
     with pytest.raises(peerstate.TimeoutError, match="timed out"):
@@ -219,7 +226,7 @@ def test_abort_fails_pending_calls_promptly():
     import threading
 
     silent = SilentServer()
-    transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=2, connect_timeout_ms=60_000)
+    transport = _C.TcpTransport(credentials=credentials(0), connections_per_peer=2, connect_timeout_ms=60_000)
     transport.add_peer(1, "127.0.0.1", silent.port)
     errors = []
 
@@ -248,7 +255,7 @@ def test_unreachable_peer_is_a_connection_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: connections are refused
-        transport = _C.TcpTransport(secret=SECRET, rank=0, connections_per_peer=1)
+        transport = _C.TcpTransport(credentials=credentials(0), connections_per_peer=1)
         transport.add_peer(1, "127.0.0.1", port)
         with pytest.raises(peerstate.PeerConnectionError, match="cannot connect"):
             transport.describe(1, 0, -1)

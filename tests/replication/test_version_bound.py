@@ -13,15 +13,15 @@ import peerstate
 
 @pytest.fixture
 def source_and_holder():
-    secret = secrets.token_bytes(32)
+    job = peerstate._C.JobAuthority(secrets.token_bytes(32))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # two ranks on two nodes: nothing to warn of, but be sure
         placement = peerstate.BuddyPlacement(["a", "b"], k=1)
     stores = [peerstate.SnapshotStore(), peerstate.SnapshotStore()]
     for store in stores:
         store.register("x", torch.arange(1000, dtype=torch.float32))
-    ends = [peerstate.Replication(stores[0], 0, placement, secret=secret, snapshot_every=2),
-            peerstate.Replication(stores[1], 1, placement, secret=secret, snapshot_every=2)]
+    ends = [peerstate.Replication(stores[0], 0, placement, credentials=job.issue(0), snapshot_every=2),
+            peerstate.Replication(stores[1], 1, placement, credentials=job.issue(1), snapshot_every=2)]
     try:
         for end in ends:
             end.connect({r: e.address for r, e in enumerate(ends)})

@@ -69,17 +69,19 @@ def _plan(epoch, replaced):
     return RecoveryPlan(epoch, {}, replaced, sorted(replaced), "killed", 1.0, 2.0).encode()
 
 
-def test_a_spare_finds_its_rank_in_the_plans_its_agent_copies_in_order():
+def test_a_spare_finds_its_rank_in_the_plans_its_agent_copies_in_order_and_its_certificate_beside():
     channel = InMemoryKeyValueStore()
     channel.set(keys.epoch_plan(1), _plan(1, {2: "n0.2"}))  # another spare's epoch
     found = []
-    waiter = threading.Thread(target=lambda: found.append(wait_for_assignment(channel.clone(), "n1.2", poll=0.05)))
+    waiter = threading.Thread(target=lambda: found.append(
+        wait_for_assignment(channel.clone(), "n1.2", timeout=30, poll=0.05)))
     waiter.start()
     channel.set(keys.epoch_plan(2), _plan(2, {5: "n0.3"}))
-    channel.set(keys.epoch_plan(3), _plan(3, {1: "n1.2", 6: "n0.4"}))
+    channel.set_many([(keys.rank_certificate("n1.2", 1), b"its certificate"),
+                      (keys.epoch_plan(3), _plan(3, {1: "n1.2", 6: "n0.4"}))])
     waiter.join(timeout=10)
-    [(plan, rank)] = found
-    assert (plan.epoch, rank) == (3, 1)
+    [(plan, rank, certificate)] = found
+    assert (plan.epoch, rank, certificate) == (3, 1, b"its certificate")
 
 
 def test_a_waiting_spare_leaves_once_its_agent_copied_the_jobs_failure():
@@ -88,4 +90,4 @@ def test_a_waiting_spare_leaves_once_its_agent_copied_the_jobs_failure():
     channel.set(keys.JOB_FAILED, b"rank 3 and its only buddy were lost")
     assert job_failure(channel) == "rank 3 and its only buddy were lost"
     with pytest.raises(JobFailedError, match="while this spare waited: rank 3 and its only buddy were lost"):
-        wait_for_assignment(channel, "n1.2", poll=0.05)
+        wait_for_assignment(channel, "n1.2", timeout=30, poll=0.05)

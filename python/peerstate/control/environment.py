@@ -16,6 +16,13 @@ torchrun does for more than one process per node). What a script may rely on:
 - a hot spare, after ``track()`` returns: RANK and LOCAL_RANK of the rank it took
   (``job.rank``; LOCAL_RANK = RANK mod LOCAL_WORLD_SIZE), so a script on a GPU
   node reads LOCAL_RANK again after ``track()`` before it picks its device.
+
+No worker gets the job secret (PEERSTATE_SECRET is taken out of its
+environment): its agent gives it a private key of its own, the job's public
+key, and for an initial worker the certificate of its rank; a spare gets its
+certificate with its rank, in the node channel (``keys.rank_certificate``). A
+worker can therefore speak only as its own rank on the replication ports
+(csrc/net/credentials.h).
 """
 
 from __future__ import annotations
@@ -25,10 +32,13 @@ import secrets
 import signal
 import stat
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Dict, Mapping, Optional
 
 from peerstate.control.stores import is_etcd
 from peerstate.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from peerstate import _C
 
 # A worker that could not leave a blocked call within Job(abort_timeout=...) exits with this (EX_SOFTWARE).
 ABORT_DEADLINE_EXIT_CODE = 70
@@ -46,6 +56,9 @@ SCRIPT_DEFAULT_GROUP = (
     "A hot spare could not call it anyway: it has no RANK until track() gives it one.")
 
 SECRET_VARIABLE = "PEERSTATE_SECRET"
+KEY_VARIABLE = "PEERSTATE_RANK_KEY"             # the worker's own private key (hex)
+JOB_KEY_VARIABLE = "PEERSTATE_JOB_KEY"          # the job's public key (hex)
+CERTIFICATE_VARIABLE = "PEERSTATE_CERTIFICATE"  # an initial worker's certificate of its rank (hex)
 MIN_SECRET_BYTES = 16
 
 
@@ -62,6 +75,14 @@ def parse_secret(text: str, source: str = SECRET_VARIABLE) -> bytes:
         raise InvalidArgumentError(f"{source} holds {len(secret)} bytes; the job secret needs at least "
                                    f"{MIN_SECRET_BYTES} (32 hexadecimal digits)")
     return secret
+
+
+def _hex(env: Mapping[str, str], name: str) -> bytes:
+    try:
+        return bytes.fromhex(env[name])
+    except ValueError:
+        raise InvalidArgumentError(f"{name} must be hexadecimal, as this process's agent wrote it: was the "
+                                   "environment changed?") from None
 
 
 def job_secret(nnodes: int, secret_file: Optional[str] = None, env: Mapping[str, str] = os.environ) -> bytes:
@@ -110,7 +131,9 @@ class WorkerEnvironment:
     host: str = "127.0.0.1"    # the address its replication server listens on
     progress: Optional[str] = None   # its progress counter's file
     events: Optional[str] = None     # the job's event log
-    secret: Optional[bytes] = None   # the job secret (always set by the agent)
+    private_key: bytes = b""         # its own key (always set by the agent)
+    job_key: bytes = b""             # the job's public key (always set by the agent)
+    certificate: Optional[bytes] = None  # an initial worker's, of its rank
     rank: Optional[int] = None       # an initial worker's rank
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
@@ -138,8 +161,10 @@ class WorkerEnvironment:
             env["PEERSTATE_PROGRESS"] = self.progress
         if self.events:
             env["PEERSTATE_EVENTS"] = self.events
-        if self.secret is not None:
-            env[SECRET_VARIABLE] = self.secret.hex()
+        env[KEY_VARIABLE] = self.private_key.hex()
+        env[JOB_KEY_VARIABLE] = self.job_key.hex()
+        if self.certificate is not None:
+            env[CERTIFICATE_VARIABLE] = self.certificate.hex()
         if self.rank is not None:
             env.update(RANK=str(self.rank), LOCAL_RANK=str(self.rank % self.nproc_per_node))
         else:
@@ -165,7 +190,8 @@ class WorkerEnvironment:
                 node=int(env.get("GROUP_RANK", env["PEERSTATE_WORKER"][1:].split(".")[0])),
                 host=env.get("PEERSTATE_HOST", "127.0.0.1"), progress=env.get("PEERSTATE_PROGRESS"),
                 events=env.get("PEERSTATE_EVENTS"),
-                secret=parse_secret(env[SECRET_VARIABLE]),
+                private_key=_hex(env, KEY_VARIABLE), job_key=_hex(env, JOB_KEY_VARIABLE),
+                certificate=None if spare else _hex(env, CERTIFICATE_VARIABLE),
                 rank=None if spare else int(env["RANK"]),
                 checkpoint_dir=env.get("PEERSTATE_CHECKPOINT_DIR"),
                 checkpoint_every=int(env.get("PEERSTATE_CHECKPOINT_EVERY", "0")),
@@ -182,3 +208,14 @@ class WorkerEnvironment:
         except ValueError as error:
             raise InvalidArgumentError(f"a peerstate variable of this process is malformed: {error}") from None
         return result
+
+    def credentials(self, rank: int, certificate: Optional[bytes] = None) -> "_C.Credentials":
+        """This process's credentials as ``rank``: with its own certificate, or a
+        spare's (``certificate``, from the node channel). InvalidArgumentError if
+        the certificate is not the job's for this process's key and that rank."""
+        from peerstate import _C  # noqa: F811 - the native module, loaded when first needed
+        found = certificate if certificate is not None else self.certificate
+        if found is None:
+            raise InvalidArgumentError(f"{self.worker} has no certificate of rank {rank}: its agent certifies a "
+                                       "spare in the node channel when a plan gives it a rank")
+        return _C.Credentials(rank, self.private_key, found, self.job_key)

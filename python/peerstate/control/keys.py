@@ -1,5 +1,6 @@
 """Every key the control plane keeps in the job's KeyValueStore, spelled here once.
-No key holds anything that grants access: the job secret is never in the store.
+No key holds anything that grants access: the job secret is never in a store, nor
+any private key (a certificate is public: it is useless without its key).
 
 A leaf module (it imports nothing of peerstate), so any plane may name a key.
 The families, with who writes and who reads them:
@@ -40,6 +41,8 @@ Node channel (a second store, hosted by each agent on loopback for its own
 workers: they never read the job's store for the recovery protocol)
     ``epoch/{e}/plan``              the agent's copy of the epoch's plan (workers' watchers wait on it,
                                     and a waiting spare reads its assignment in it)
+    ``certificate/{worker}/{rank}`` the job's certificate of ``rank`` for a spare of this node, set by its
+                                    agent before the plan that gives the rank is copied in
     ``job/failed``                  the agent's copy of the job's failure, once its watch sees it
     ``epoch/{e}/report/{rank}``     a member's MemberReport, for its agent to gather
     ``epoch/{e}/orders/{n}``        the node's NodeInstructions, as the plan writer wrote them
@@ -110,6 +113,11 @@ MOOT = b"moot"
 def member_instructions(epoch: int, node: int) -> str:
     """In the node channel: node ``node``'s instructions, which its members expand."""
     return f"epoch/{epoch}/orders/{node}"
+
+
+def rank_certificate(worker: str, rank: int) -> str:
+    """In the node channel: the certificate of ``rank`` for spare ``worker``."""
+    return f"certificate/{worker}/{rank}"
 
 
 def ddp_layout(epoch: int, index: int) -> str:

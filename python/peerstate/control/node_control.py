@@ -119,18 +119,20 @@ class NodeControl:
         """Start epoch 0 (every node does; the first one's plan stands)."""
         self.coordinator.start(self.name)
 
-    def start_relay(self, channel: KeyValueStore) -> None:
+    def start_relay(self, channel: KeyValueStore,
+                    certify: Optional[Callable[[str, int], Optional[bytes]]] = None) -> None:
         """Relay the recovery protocol between the job's store and ``channel`` (the node
         channel, a connection the relay's thread owns) on a thread and a store
         connection of its own; again after ``stop_relay`` (an agent that stalled and
-        came back: the same relay, where it left off)."""
+        came back: the same relay, where it left off). ``certify(worker, rank)``: the
+        certificate a spare of this node needs for a rank a plan gives it."""
         if self.relay is None:
             marks_coordinator = Coordinator(self._relay_kv.clone())  # the marks' thread's (NodeRelay step 5)
             timelines = RecoveryTimelines(marks_coordinator.kv, lambda epoch: marks_coordinator.plan(epoch).__dict__,
                                           self.nnodes, self.world_size, self.events, self._say)
             self.relay = NodeRelay(self._relay_kv, channel, self._relay_coordinator, self.writer, self.node,
                                    self.name, self.join_timeout, self.on_failure, self._on_fenced,
-                                   self.lease_timeout, timelines)
+                                   self.lease_timeout, timelines, certify)
         self._relay_stop = threading.Event()
         self._relay_thread = threading.Thread(target=self.relay.run, args=(self._relay_stop,),
                                               name=f"peerstate-relay-{self.node}", daemon=True)

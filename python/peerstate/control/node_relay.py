@@ -59,12 +59,15 @@ class NodeRelay:
     instructions key (``Coordinator._retire``).
 
     ``timelines`` (optional) publishes the members' marks of each recovery (step 5).
+    ``certify(worker, rank)`` (optional) certifies a spare of this node for the rank
+    a plan gives it; the certificate is in the channel before the plan (step 1).
     """
 
     def __init__(self, kv: KeyValueStore, channel: KeyValueStore, coordinator: Coordinator, writer: InstructionWriter,
                  node: int, me: str, report_timeout: float, on_failure: Callable[[str], None],
                  on_fenced: Callable[[], None], takeover_poll: float,
-                 timelines: Optional[RecoveryTimelines] = None) -> None:
+                 timelines: Optional[RecoveryTimelines] = None,
+                 certify: Optional[Callable[[str, int], Optional[bytes]]] = None) -> None:
         self._kv = kv
         self._channel = channel
         self._coordinator = coordinator
@@ -80,6 +83,7 @@ class NodeRelay:
         self._local: Optional[Dict[int, str]] = None  # rank -> worker of this node's members, as of the last plan
         self._fenced = False  # some of this node's ranks went to other nodes in the last plan
         self._marks = MarksForwarder(channel, timelines, node) if timelines is not None else None
+        self._certify = certify
 
     def run(self, stop: threading.Event) -> None:
         """Relay epochs until ``stop``; a JobFailedError (an owner that neither wrote
@@ -117,13 +121,18 @@ class NodeRelay:
             nproc = self._coordinator.shape()["nproc_per_node"]
             self._local = {self.node * nproc + k: f"n{self.node}.{k}" for k in range(nproc)}
         self._fenced = False
+        certificates = []
         for plan in plans:  # O(changes): a node never scans the whole membership
             for rank, worker in plan.replaced.items():
                 if node_of_worker(worker) == self.node:
                     self._local[rank] = worker
+                    certificate = self._certify(worker, rank) if self._certify else None
+                    if certificate is not None:
+                        certificates.append((keys.rank_certificate(worker, rank), certificate))
                 elif self._local.pop(rank, None) is not None:
                     self._fenced = True
-        self._channel.set_many([(keys.epoch_plan(p.epoch), p.encode()) for p in plans])
+        # One request; the store sets the keys in order, so a spare that sees its plan finds its certificate.
+        self._channel.set_many(certificates + [(keys.epoch_plan(p.epoch), p.encode()) for p in plans])
         self._mirrored = plans[-1].epoch
         return plans[-1] if not stop.is_set() else None
 

@@ -32,7 +32,8 @@ from typing import Dict, List, Optional, Tuple
 
 from peerstate.control import keys
 from peerstate.control import progress as progress_file
-from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, STACKS_SIGNAL, WorkerEnvironment, job_secret
+from peerstate.control.environment import (SCRIPT_DEFAULT_GROUP, SECRET_VARIABLE, STACKS_SIGNAL, WorkerEnvironment,
+                                          job_secret)
 from peerstate.control.findings import FindingsReader
 from peerstate.control.kvstore import TorchKeyValueStore, store_gone
 from peerstate.control.node_control import NodeControl
@@ -47,6 +48,7 @@ from peerstate.launcher.processes import (WorkerProcess, describe_exit, die_with
                                           remove_stale_counters)
 from peerstate.launcher.stopped_workers import StoppedWorkers
 from peerstate.launcher.store_connection import open_job_store
+from peerstate.replication.worker_keys import WorkerKeys
 
 POLL_SECONDS = 0.005
 WATCH_SECONDS = 0.1
@@ -59,7 +61,7 @@ class Agent:
         config.validate()
         self.config = config
         # A missing or bad secret fails here, before anything starts.
-        self.secret = job_secret(config.nnodes, config.secret_file)
+        self.keys = WorkerKeys(job_secret(config.nnodes, config.secret_file))
         self.node = config.node_rank
         self.world_size = config.nnodes * config.nproc_per_node
         self.name = f"agent{self.node}"
@@ -131,7 +133,7 @@ class Agent:
         """Host this node's channel (loopback, for its own workers only) and relay the
         recovery protocol between it and the job's store (``NodeRelay``)."""
         self.channel = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=self.config.join_timeout)
-        self.control.start_relay(self.channel.clone())
+        self.control.start_relay(self.channel.clone(), certify=self.keys.certify)
 
     def _fenced(self) -> None:
         """This node was declared lost while it lives (a lease or a report came too
@@ -156,10 +158,12 @@ class Agent:
         counter_path = self._progress_dir / f"peerstate-{os.getpid()}-{worker}.progress"
         progress_file.create(str(counter_path))
         env = self._common_env()
+        private_key, certificate = self.keys.new_worker(worker, rank)
         env.update(WorkerEnvironment(
             store=self.store_address, worker=worker, spare=rank is None, world_size=self.world_size,
             nproc_per_node=config.nproc_per_node, node=self.node, host=config.host, progress=str(counter_path),
-            events=str(self.log_dir / "events.jsonl"), secret=self.secret, rank=rank,
+            events=str(self.log_dir / "events.jsonl"), private_key=private_key,
+            job_key=self.keys.job_key, certificate=certificate, rank=rank,
             checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
             protection=config.frame_protection, node_store=f"127.0.0.1:{self.channel.port}").to_env())
         log = self.log_dir / f"{worker}.log"
@@ -175,6 +179,7 @@ class Agent:
     def _common_env(self) -> Dict[str, str]:
         """The environment every worker of this node shares (its own part is added by _spawn)."""
         env = dict(os.environ)
+        env.pop(SECRET_VARIABLE, None)  # workers get credentials of their own rank instead (WorkerKeys)
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the watcher's timed-out waits are not news
         if self.config.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in env:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds where --host says, not the hostname's address

@@ -5,7 +5,7 @@ and, with data-parallel shares, the share it snapshots (``serve_share``).
 
 Wiring (one per rank, after the SnapshotStore is registered)::
 
-    repl = Replication(store, rank, placement, secret=job_secret, host="10.0.0.5")
+    repl = Replication(store, rank, placement, credentials=credentials, host="10.0.0.5")
     publish(rank, repl.address)                       # e.g. through the job's TCPStore
     repl.connect({r: address_of(r) for r in range(world)})
     repl.reserve({r: bytes_per_version_of(r) for r in placement.served_by(rank)})
@@ -49,7 +49,9 @@ class Replication:
         store: this rank's SnapshotStore (checksums on).
         rank: this rank.
         placement: the job's BuddyPlacement (the same on every rank).
-        secret: the per-job secret (>= 16 bytes) every peer must prove it knows.
+        credentials: this rank's ``_C.Credentials``, from its agent (a worker's
+            environment: ``WorkerEnvironment``) or from ``_C.JobAuthority(secret).issue(rank)``
+            where the job secret is at hand; every peer proves its own.
         host: the address to listen on; loopback by default, never all
             interfaces unless "0.0.0.0" is given.
         port: 0 picks a free port.
@@ -73,7 +75,7 @@ class Replication:
         rank: int,
         placement: BuddyPlacement,
         *,
-        secret: bytes,
+        credentials: "_C.Credentials",
         host: str = "127.0.0.1",
         port: int = 0,
         connections_per_peer: int = 4,
@@ -85,6 +87,9 @@ class Replication:
     ) -> None:
         if not store.native.checksums:
             raise InvalidArgumentError("replication verifies every chunk: create the SnapshotStore with checksums=True")
+        if credentials.rank != rank:
+            raise InvalidArgumentError(f"credentials of rank {credentials.rank} given to rank {rank}'s replication: "
+                                       "a rank proves only its own (its agent issues them)")
         self.store = store
         self.rank = rank
         self.placement = placement
@@ -93,9 +98,9 @@ class Replication:
         io_ms = int(io_timeout * 1000)
         self.replicas = _C.ReplicaStore(budget_bytes=replica_budget_bytes or 0,
                                         device=-1 if replica_device is None else replica_device)
-        self.server = _C.TcpServer(self.replicas, store.native, secret=secret, rank=rank, host=host, port=port,
+        self.server = _C.TcpServer(self.replicas, store.native, credentials=credentials, host=host, port=port,
                                    io_timeout_ms=io_ms, protection=protection)
-        self._transport_options = dict(secret=secret, rank=rank, connections_per_peer=connections_per_peer,
+        self._transport_options = dict(credentials=credentials, connections_per_peer=connections_per_peer,
                                        connect_timeout_ms=min(io_ms, 5000), io_timeout_ms=io_ms,
                                        protection=protection)
         self._addresses: Dict[int, Address] = {}

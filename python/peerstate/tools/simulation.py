@@ -41,10 +41,13 @@ from peerstate.control.messages import MemberReport, RecoveryPlan, StateLayout
 from peerstate.control.node_control import NodeControl
 from peerstate.control.planning import node_of_worker
 from peerstate.control.timeline import EventLog
+from peerstate.replication.worker_keys import WorkerKeys
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.worker.rebuild import DistributedWrappers
 from peerstate.worker.report import RecoveryReport
 from peerstate.worker.step_boundary import publish_size, reserve_replicas
+
+SIMULATED_SECRET = b"the simulated job's secret: 32 b"
 
 LAYOUT = StateLayout(k=1, share_count=8, data_parallel=True)  # the default of a multi-node job of 8 ranks per node
 
@@ -101,6 +104,8 @@ class SimulatedChannel(InMemoryKeyValueStore):
     def _answer(self, plan: RecoveryPlan) -> None:
         for rank, worker in plan.replaced.items():
             if node_of_worker(worker) == self.node:
+                if self.get(keys.rank_certificate(worker, rank)) is None:  # what the spare reads first
+                    raise RuntimeError(f"{worker} was given rank {rank} without its certificate")
                 self.members[rank] = worker
                 self._fresh.add(rank)
             else:
@@ -151,6 +156,7 @@ class SimulatedNode:
                                    on_failure=self.failures.append, on_fenced=self._on_fenced,
                                    say=lambda message: None)
         self.coordinator, self.writer, self.leases = self.control.coordinator, self.control.writer, self.control.leases
+        self.keys = WorkerKeys(SIMULATED_SECRET)  # the relay certifies a spare a plan takes, as the agent's
         self._began = False
 
     @property
@@ -162,7 +168,9 @@ class SimulatedNode:
         simulation starts one by one): agree on the shape, count in; its spares register."""
         self.control.count_in()
         for index in range(self.spares):
-            self.coordinator.register_spare(f"n{self.node}.{self.nproc + index}")
+            spare = f"n{self.node}.{self.nproc + index}"
+            self.keys.new_worker(spare, None)
+            self.coordinator.register_spare(spare)
 
     def start(self) -> None:
         """The rest of the agent's start: epoch 0, then the relay (again, after ``stop``:
@@ -171,7 +179,7 @@ class SimulatedNode:
         if not self._began:
             self.control.begin()
             self._began = True
-        self.control.start_relay(self.channel)
+        self.control.start_relay(self.channel, certify=self.keys.certify)
 
     def _on_fenced(self) -> None:
         self.fenced = True

@@ -438,10 +438,10 @@ class Job:
             return self.rank
         self._coordinator.register_spare(self._worker)
         self._events.write("spare_ready", pid=os.getpid())
-        plan, rank = wait_for_assignment(self._channel, self._worker)
+        plan, rank, certificate = wait_for_assignment(self._channel, self._worker, self._join_timeout)
         self._events.write("spare_assigned", epoch=plan.epoch, rank=rank, job_store=self._kv.count.requests)
         with self._counting_recovery_errors():
-            self._become_member(plan, rank)
+            self._become_member(plan, rank, certificate)
         return self.rank
 
     def _plan(self, epoch: int) -> RecoveryPlan:
@@ -451,12 +451,14 @@ class Job:
         return RecoveryPlan.decode(self._channel.get(key))
 
     # -- membership ------------------------------------------------------------------
-    def _become_member(self, plan: RecoveryPlan, rank: int) -> None:
-        """Take ``rank`` in ``plan``'s epoch (or a newer one) and join it."""
+    def _become_member(self, plan: RecoveryPlan, rank: int, certificate: Optional[bytes] = None) -> None:
+        """Take ``rank`` in ``plan``'s epoch (or a newer one) and join it (a spare:
+        with the ``certificate`` of that rank its agent gave it)."""
         self._membership.rank = rank
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % self._env.nproc_per_node),
                           GROUP_RANK=str(self._env.node))
-        self._replication = Replication(self._tracked.own, rank, self._placement, secret=self._env.secret,
+        credentials = self._env.credentials(rank, certificate)
+        self._replication = Replication(self._tracked.own, rank, self._placement, credentials=credentials,
                                         host=self._env.host, replica_budget_bytes=self._replica_budget_bytes,
                                         protection=self._env.protection, snapshot_every=self._boundary.snapshot_every)
         self._joiner.replication = self._restorer.replication = self._boundary.replication = self._replication

@@ -98,11 +98,14 @@ def job_failure(channel: KeyValueStore) -> Optional[str]:
     return raw.decode() if raw else None
 
 
-def wait_for_assignment(channel: KeyValueStore, worker: str, poll: float = 5.0) -> Tuple[RecoveryPlan, int]:
-    """A spare's wait for a rank: the first plan that gives one to ``worker``, and
-    that rank. The agent copies every plan into the node channel in order, and a
-    plan names the spares it takes, so the wait reads nothing of the job's store
-    (a worker name is never reused: no plan before the spare started names it).
+def wait_for_assignment(channel: KeyValueStore, worker: str, timeout: float,
+                        poll: float = 5.0) -> Tuple[RecoveryPlan, int, bytes]:
+    """A spare's wait for a rank: the first plan that gives one to ``worker``, that
+    rank, and its certificate of the rank (its agent puts it in the channel before
+    the plan; waited for up to ``timeout`` seconds all the same). The agent copies
+    every plan into the node channel in order, and a plan names the spares it
+    takes, so the wait reads nothing of the job's store (a worker name is never
+    reused: no plan before the spare started names it).
     Blocks until then; JobFailedError once the job's failure is in the channel
     (looked for every ``poll`` seconds)."""
     def stopped() -> bool:
@@ -117,7 +120,9 @@ def wait_for_assignment(channel: KeyValueStore, worker: str, poll: float = 5.0) 
         plan = RecoveryPlan.decode(channel.get(keys.epoch_plan(epoch)))
         for rank, taker in plan.replaced.items():
             if taker == worker:
-                return plan, rank
+                key = keys.rank_certificate(worker, rank)
+                channel.wait([key], timeout=timeout)
+                return plan, rank, channel.get(key)
         epoch += 1
 
 

@@ -1,6 +1,7 @@
 // The wire's handshake and frames between two real sockets, through a relay
 // that can alter or replay what the client sends: a frame arrives intact under
-// every protection; a wrong secret or a protection mismatch fails the
+// every protection; another job's certificate, a certificate altered in
+// transit or shown without its key, and a protection mismatch fail the
 // handshake; a flipped bit, in a header or a payload, and a replayed frame fail
 // the frame's tag; an encrypted payload never crosses the wire in the clear.
 #include <gtest/gtest.h>
@@ -21,8 +22,22 @@
 namespace peerstate {
 namespace {
 
-constexpr size_t kClientHello = kNonceBytes + 32 + 4 + 1;  // nonce, HMAC, rank, protection
+// The client's handshake bytes: its X25519 share, protection, certificate and signature.
+constexpr size_t kClientHello = 32 + 1 + kCertificateBytes + 64;
+constexpr size_t kClientCertificateAt = 32 + 1;
 const std::string kSecret = "a job secret of thirty-two bytes";
+
+JobAuthority authority(const std::string& secret = kSecret) {
+  JobAuthority a;
+  EXPECT_TRUE(JobAuthority::from_secret(secret, &a).ok());
+  return a;
+}
+
+Credentials issued(int32_t rank, const std::string& secret = kSecret) {
+  Credentials c;
+  EXPECT_TRUE(authority(secret).issue(rank, &c).ok());
+  return c;
+}
 
 // Client <-> relay <-> server over two socket pairs. The relay forwards both
 // directions and may flip one bit of the client's stream at byte `flip_at`, or
@@ -88,17 +103,21 @@ class Relay {
 
 struct Handshake {
   Status client, server;
-  int32_t rank = -1;
+  int32_t rank = -1;         // the client's, as the server found it
+  int32_t server_rank = -1;  // the server's, as the client found it
 };
 
-Handshake shake(Relay& relay, const std::string& client_secret, FrameProtection client_protection,
+// A handshake between a client with `client` credentials and a server of rank 3 of kSecret's job.
+Handshake shake(Relay& relay, const Credentials& client, FrameProtection client_protection,
                 FrameProtection server_protection = FrameProtection::kAuthenticated) {
   Handshake h;
+  const Credentials server_credentials = issued(3);
   std::thread server([&] {
-    h.server = handshake_server(relay.server, kSecret, server_protection, &h.rank, deadline_after_ms(10000));
+    h.server = handshake_server(relay.server, server_credentials, server_protection, &h.rank,
+                                deadline_after_ms(10000));
     if (!h.server.ok()) relay.server.socket.shutdown();  // as the server closes a refused connection
   });
-  h.client = handshake_client(relay.client, client_secret, 7, client_protection, deadline_after_ms(10000));
+  h.client = handshake_client(relay.client, client, client_protection, &h.server_rank, deadline_after_ms(10000));
   server.join();
   return h;
 }
@@ -134,10 +153,11 @@ class ProtectedWire : public Wire {};  // the protections that tag each frame
 TEST_P(Wire, AFrameArrivesIntact) {
   Relay relay;
   relay.start();
-  const Handshake h = shake(relay, kSecret, GetParam(), GetParam());
+  const Handshake h = shake(relay, issued(7), GetParam(), GetParam());
   ASSERT_TRUE(h.client.ok()) << h.client.message();
   ASSERT_TRUE(h.server.ok()) << h.server.message();
   EXPECT_EQ(h.rank, 7);
+  EXPECT_EQ(h.server_rank, 3);
   for (int frame = 0; frame < 3; frame++) ASSERT_TRUE(send_payload(relay.client).ok());
   for (int frame = 0; frame < 3; frame++) {
     std::string payload;
@@ -159,7 +179,7 @@ TEST_P(ProtectedWire, AFlippedBitFailsTheFrame) {
     Relay relay;
     relay.flip_at = static_cast<long>(at);
     relay.start();
-    const Handshake h = shake(relay, kSecret, GetParam(), GetParam());
+    const Handshake h = shake(relay, issued(7), GetParam(), GetParam());
     ASSERT_TRUE(h.server.ok()) << h.server.message();
     ASSERT_TRUE(send_payload(relay.client).ok());
     std::string payload;
@@ -172,7 +192,7 @@ TEST_P(ProtectedWire, AReplayedFrameFailsItsTag) {
   relay.replay_from = kClientHello;
   relay.replay_to = kClientHello + sizeof(FrameHeader) + kPayload.size() + Aead::kTagBytes;
   relay.start();
-  const Handshake h = shake(relay, kSecret, GetParam(), GetParam());
+  const Handshake h = shake(relay, issued(7), GetParam(), GetParam());
   ASSERT_TRUE(h.server.ok()) << h.server.message();
   ASSERT_TRUE(send_payload(relay.client).ok());
   std::string payload;
@@ -194,23 +214,56 @@ INSTANTIATE_TEST_SUITE_P(Protections, ProtectedWire,
                          ::testing::Values(FrameProtection::kAuthenticated, FrameProtection::kEncrypted),
                          protection_test_name);
 
-TEST(Handshake, AWrongSecretIsRefusedAndTheSecretNeverTravels) {
-  std::string origin;
-  if (!crypto_library(&origin).ok()) GTEST_SKIP() << "no libcrypto on this machine";
+class HandshakeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string origin;
+    if (!crypto_library(&origin).ok()) GTEST_SKIP() << "no libcrypto on this machine";
+  }
+};
+
+TEST_F(HandshakeTest, AnotherJobsCertificateIsRefusedAndNoSecretTravels) {
   Relay relay;
   relay.start();
-  const Handshake h = shake(relay, "not the job's secret, same length", FrameProtection::kAuthenticated);
+  const Credentials other = issued(7, "another job's secret, as long");
+  const Handshake h = shake(relay, other, FrameProtection::kAuthenticated);
   EXPECT_EQ(h.server.code(), StatusCode::kAuthenticationError) << h.server.message();
+  EXPECT_NE(h.server.message().find("not this job's"), std::string::npos) << h.server.message();
   EXPECT_FALSE(h.client.ok());
-  EXPECT_EQ(relay.client_bytes().find("not the job's secret"), std::string::npos);
+  const std::string sent = relay.client_bytes();
+  EXPECT_EQ(sent.find("another job's secret"), std::string::npos);
+  EXPECT_EQ(sent.find(std::string(reinterpret_cast<const char*>(other.private_key.data()), 32)), std::string::npos);
 }
 
-TEST(Handshake, BothEndsMustUseTheSameProtection) {
-  std::string origin;
-  if (!crypto_library(&origin).ok()) GTEST_SKIP() << "no libcrypto on this machine";
+// A worker certified as rank 7 that writes rank 2 into the certificate it shows.
+TEST_F(HandshakeTest, ACertificateClaimingAnotherRankIsRefused) {
+  Relay relay;
+  relay.flip_at = static_cast<long>(kClientCertificateAt);  // rank 7 becomes 7 ^ 0x10 = 23
+  relay.start();
+  const Handshake h = shake(relay, issued(7), FrameProtection::kAuthenticated);
+  EXPECT_EQ(h.server.code(), StatusCode::kAuthenticationError) << h.server.message();
+  EXPECT_NE(h.server.message().find("certificate of rank 23 is not this job's"), std::string::npos)
+      << h.server.message();
+  EXPECT_FALSE(h.client.ok());
+}
+
+// Another rank's certificate (public: every handshake shows it) without that rank's key.
+TEST_F(HandshakeTest, ACertificateShownWithoutItsKeyIsRefused) {
   Relay relay;
   relay.start();
-  const Handshake h = shake(relay, kSecret, FrameProtection::kTrustedFabric, FrameProtection::kAuthenticated);
+  Credentials stolen = issued(2);
+  stolen.private_key = issued(7).private_key;
+  const Handshake h = shake(relay, stolen, FrameProtection::kAuthenticated);
+  EXPECT_EQ(h.server.code(), StatusCode::kAuthenticationError) << h.server.message();
+  EXPECT_NE(h.server.message().find("rank 2's certificate without its key"), std::string::npos)
+      << h.server.message();
+  EXPECT_FALSE(h.client.ok());
+}
+
+TEST_F(HandshakeTest, BothEndsMustUseTheSameProtection) {
+  Relay relay;
+  relay.start();
+  const Handshake h = shake(relay, issued(7), FrameProtection::kTrustedFabric, FrameProtection::kAuthenticated);
   EXPECT_FALSE(h.server.ok());
   EXPECT_FALSE(h.client.ok());
 }
