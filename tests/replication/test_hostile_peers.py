@@ -237,25 +237,29 @@ def test_a_stuck_reader_or_a_stalled_writer_never_keeps_a_ranks_next_version_out
 
 def test_metadata_announced_within_the_bound_holds_memory_only_as_it_arrives(rig):
     # Each connection announces the most metadata a rank may send (the 1 MiB floor) and
-    # sends none of it; 16 connections under each of 3 claimed ranks. The server waits
-    # for the bytes (a 10 s io timeout, so none is let go while this measures): what it
-    # holds meanwhile must follow what arrived, a piece per connection, not what was announced.
+    # sends none of it: 256 connections, the server's cap, 16 (the per-rank cap) from each
+    # of 16 certified ranks. The server waits for the bytes (a 10 s io timeout, so none is
+    # let go while this measures): what it holds meanwhile must follow what arrived, a
+    # 64 KiB piece per connection (16 MiB), not what was announced (256 MiB), and stay
+    # within the replica budget (64 MiB).
     server = _C.TcpServer(rig.replicas, rig.own_store.native, credentials=credentials(1), io_timeout_ms=10_000)
     socks = []
     try:
         before = rss_bytes()
-        for rank in range(3):
+        for rank in range(16):
+            member = credentials(rank)
             for _ in range(16):
                 sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
                 socks.append(sock)
-                authenticate(sock, rank=rank)
+                authenticate(sock, own=member)
                 sock.sendall(frame(PUT_BEGIN, source_rank=rank, version=100, length=1 << 20))  # then nothing
         deadline = time.monotonic() + 30
         while server.stats()["active"] < len(socks) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.stats()["active"] == len(socks)
         time.sleep(0.3)  # every connection's thread has read its header and waits for the metadata
-        assert rss_bytes() - before < 16 << 20, f"{(rss_bytes() - before) >> 20} MiB held for 48 announcements"
+        held = rss_bytes() - before
+        assert held < 64 << 20, f"{held >> 20} MiB held for 256 announcements of 1 MiB, over the replica budget"
     finally:
         for s in socks:
             s.close()

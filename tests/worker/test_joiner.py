@@ -19,6 +19,7 @@ from peerstate.control.messages import RecoveryPlan  # noqa: E402
 from peerstate.control.timeline import EventLog, read_events  # noqa: E402
 from peerstate.errors import TimeoutError as PeerstateTimeoutError  # noqa: E402
 from peerstate.worker import joiner as joiner_module  # noqa: E402
+from peerstate.worker.context import WorkerContext  # noqa: E402
 from peerstate.worker.joiner import EpochJoiner, Superseded  # noqa: E402
 from peerstate.worker.membership import EpochWatcher, Membership  # noqa: E402
 from peerstate.worker.process_groups import ProcessGroups  # noqa: E402
@@ -41,12 +42,12 @@ def joiner(monkeypatch, tmp_path):
     events = EventLog(str(tmp_path / "events.jsonl"), "n0.0")
     regroup = BusyPeerRegroup(coordinator, groups, events, "agent0", "n0.0", world_size=2, abort_timeout=10,
                               join_timeout=10)
-    joiner = EpochJoiner(membership=Membership("n0.0", spare=False), kv=kv, channel=None, coordinator=coordinator,
-                         groups=groups, tracked=None, restorer=None, boundary=None, wrappers=None, checkpoints=None,
-                         report=None, events=events, placement=None, regroup=regroup, world_size=2, join_timeout=10,
-                         failure_grace=10)
+    context = WorkerContext(Membership("n0.0", spare=False), kv, channel=None, coordinator=coordinator, events=events,
+                            report=None, placement=None, world_size=2, join_timeout=10, failure_grace=10)
+    joiner = EpochJoiner(context, groups, tracked=None, restorer=None, boundary=None, wrappers=None, checkpoints=None,
+                         regroup=regroup)
     kv.set(keys.epoch_plan(1), RecoveryPlan(1, failed=[1], writer="agent0").encode())
-    joiner.watcher = EpochWatcher(kv.clone(), RecoveryPlan(1), lambda plan: groups.abort(plan.epoch))
+    context.watcher = EpochWatcher(kv.clone(), RecoveryPlan(1), lambda plan: groups.abort(plan.epoch))
     yield joiner
     joiner.watcher.stop()
     groups.destroy()

@@ -68,6 +68,7 @@ from peerstate.replication.stopped_holder import permit_reads_by_the_node
 from peerstate.state.training_state import optimizer_parts
 from peerstate.worker.abort import AbortHandler
 from peerstate.worker.checkpoint import DiskCheckpoints
+from peerstate.worker.context import WorkerContext
 from peerstate.worker.joiner import FORM_CONNECT_TIMEOUT, EpochJoiner, Superseded
 from peerstate.worker.membership import EpochWatcher, Membership, MemberState, wait_for_assignment
 from peerstate.worker.meshes import BuiltMeshes, DeclaredMesh, replica_dimension
@@ -194,24 +195,22 @@ class Job:
                                                           checkpoint_every or env.checkpoint_every,
                                                           self._coordinator.fail_job)
         self._report = RecoveryReport(self._kv, self._channel, self._events, env.world_size)
-        self._boundary = StepBoundary(self._membership, self._tracked, self._kv, self._placement, checkpoints,
-                                      self._report, self._progress, snapshot_every, join_timeout)
+        self._context = context = WorkerContext(self._membership, self._kv, self._channel, self._coordinator,
+                                                self._events, self._report, self._placement, env.world_size,
+                                                join_timeout, failure_grace)
+        self._boundary = StepBoundary(context, self._tracked, checkpoints, self._progress, snapshot_every)
         # The same script without the capture, for the benchmarks' baselines (no failure is survivable).
         self.capture = os.environ.get("PEERSTATE_CAPTURE", "1") != "0"
         self._resume = CheckpointResume(self._kv, checkpoints, self._boundary, self._tracked, self._events)
-        self._restorer = Restorer(self._membership, self._tracked, checkpoints, self._report)
+        self._restorer = Restorer(context, self._tracked, checkpoints)
         self._regroup = BusyPeerRegroup(self._coordinator, self._groups, self._events, f"agent{env.node}",
                                         env.worker, env.world_size, abort_timeout, join_timeout)
-        self._joiner = EpochJoiner(self._membership, self._kv, self._channel, self._coordinator, self._groups,
-                                   self._tracked, self._restorer, self._boundary, self._wrappers, checkpoints,
-                                   self._report, self._events, self._placement, self._regroup, env.world_size,
-                                   join_timeout, failure_grace)
-        aborts = [self._groups.abort, self._wrappers.abort, lambda epoch: self._replication.abort_transfers(),
+        self._joiner = EpochJoiner(context, self._groups, self._tracked, self._restorer, self._boundary, self._wrappers,
+                                   checkpoints, self._regroup)
+        aborts = [self._groups.abort, self._wrappers.abort, lambda epoch: context.replication.abort_transfers(),
                   self._boundary.on_new_epoch]
         self._aborts = AbortHandler(self._membership, aborts, self._events, abort_timeout,
                                     on_abort=self._report.marks.clear)
-        self._replication: Optional[Replication] = None
-        self._watcher: Optional[EpochWatcher] = None
         self._guard: Optional[StepGuard] = None  # the current step's
         self._checks = StepChecks(self._membership, self._tracked, UnguardedCollectives(self._groups.formed),
                                   self._channel, self._events)
@@ -346,7 +345,7 @@ class Job:
                 _init_optim_state(part)  # what a restore writes into must exist (a no-op once it does)
         if self._membership.needs_state:
             self._tracked.register(self.rank)  # allocates too: a recovery should not fault memory in
-            if self._replication is not None:
+            if self._context.replication is not None:
                 self._boundary.replication_serves_shares()
         elif resume:
             self._joiner.next_step = self._resume.load(*resume, self.rank)
@@ -369,7 +368,7 @@ class Job:
         state), ``snapshots_held`` (the version slots of all its stores, as allocated
         now), ``replicas_held`` and ``replicas_reserved`` (its buddies' state kept
         here; 0 for a spare without a rank)."""
-        replicas = self._replication.replicas if self._replication is not None else None
+        replicas = self._context.replication.replicas if self._context.replication is not None else None
         return {**self._tracked.memory(self.rank), "replicas_held": replicas.held_bytes() if replicas else 0,
                 "replicas_reserved": replicas.reserved_bytes() if replicas else 0}
 
@@ -378,7 +377,7 @@ class Job:
         checkpoint a new job resumed from in ``track()``) to ``total`` - 1, recovering
         between steps when a failure was caught by ``guard``."""
         while True:
-            if self._membership.state is MemberState.RECOVERING or self._watcher.latest.epoch != self.epoch:
+            if self._membership.state is MemberState.RECOVERING or self._context.watcher.latest.epoch != self.epoch:
                 self._aborts.loop_arrived()
                 with self._progress.setting_up() if self._progress else contextlib.nullcontext(), \
                         self._counting_recovery_errors():
@@ -458,14 +457,14 @@ class Job:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % self._env.nproc_per_node),
                           GROUP_RANK=str(self._env.node))
         credentials = self._env.credentials(rank, certificate)
-        self._replication = Replication(self._tracked.own, rank, self._placement, credentials=credentials,
-                                        host=self._env.host, replica_budget_bytes=self._replica_budget_bytes,
-                                        protection=self._env.protection, snapshot_every=self._boundary.snapshot_every)
-        self._joiner.replication = self._restorer.replication = self._boundary.replication = self._replication
+        self._context.replication = Replication(
+            self._tracked.own, rank, self._placement, credentials=credentials, host=self._env.host,
+            replica_budget_bytes=self._replica_budget_bytes, protection=self._env.protection,
+            snapshot_every=self._boundary.snapshot_every)
         if self._progress:  # if this process hangs, its replacement reads its stores from its memory
-            self._progress.set_index_address(self._replication.index_stores())
+            self._progress.set_index_address(self._context.replication.index_stores())
         self._boundary.replication_serves_shares()  # a spare registered its share stores before its rank
-        self._watcher = self._joiner.watcher = EpochWatcher(self._channel.clone(), plan, self._aborts.on_new_epoch)
+        self._context.watcher = EpochWatcher(self._channel.clone(), plan, self._aborts.on_new_epoch)
         try:
             self._joiner.join(plan)
         except Superseded:
@@ -476,10 +475,10 @@ class Job:
         if self._membership.state is MemberState.CLOSED:
             return
         self._membership.move(MemberState.CLOSED)
-        if self._watcher is not None:
-            self._watcher.stop()
-        if self._replication is not None:
-            self._replication.close()
+        if self._context.watcher is not None:
+            self._context.watcher.stop()
+        if self._context.replication is not None:
+            self._context.replication.close()
         self._wrappers.close(timeout=self._abort_timeout)
         self._groups.destroy()
         release_default_group()

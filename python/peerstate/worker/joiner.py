@@ -6,27 +6,23 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from peerstate.control import keys
-from peerstate.control.coordinator import Coordinator
-from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.messages import (MemberInstructions, MemberReport, NodeInstructions, RecoveryPlan, RestorePlan,
                                         RestoreSource)
 from peerstate.control.planning import expand, lost_without_checkpoint, node_of_worker
-from peerstate.control.timeline import EventLog
 from peerstate.errors import AbortedError, Error, JobFailedError, StateLostError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
 from peerstate.replication.endpoint import Replication
-from peerstate.replication.placement import BuddyPlacement
 from peerstate.replication.stopped_holder import StoppedHolder
 from peerstate.worker.checkpoint import DiskCheckpoints
-from peerstate.worker.membership import EpochWatcher, Membership, job_failure
+from peerstate.worker.context import WorkerContext
+from peerstate.worker.membership import EpochWatcher, job_failure
 from peerstate.worker.peer_failure import raised_by_a_peer_failure
 from peerstate.worker.process_groups import ProcessGroups
 from peerstate.worker.rebuild import DistributedWrappers
 from peerstate.worker.regroup import BusyPeerRegroup
-from peerstate.worker.report import RecoveryReport
 from peerstate.worker.restorer import Background, Restorer
 from peerstate.worker.step_boundary import StepBoundary, reserve_replicas
 from peerstate.worker.tracked_state import TrackedState
@@ -63,41 +59,44 @@ class Superseded(Exception):
 
 
 class EpochJoiner:
-    """Runs the joins of one member. Every collaborator is handed in; the
-    replication endpoint and the watcher are set once the member has a rank.
-    ``kv`` is the job's store (the process groups' rendezvous, and the few requests
-    ``docs/recovery.md`` lists); ``channel`` the node channel its agent relays the
-    recovery protocol and the job's failure through (``control.node_relay``)."""
+    """Runs the joins of one member, from its ``WorkerContext`` (the replication
+    endpoint and the watcher are the context's, set once the member has a rank)
+    and the parts a join drives."""
 
-    def __init__(self, membership: Membership, kv: KeyValueStore, channel: KeyValueStore, coordinator: Coordinator,
-                 groups: ProcessGroups, tracked: TrackedState, restorer: Restorer, boundary: StepBoundary,
-                 wrappers: DistributedWrappers, checkpoints: DiskCheckpoints, report: RecoveryReport,
-                 events: EventLog, placement: BuddyPlacement, regroup: BusyPeerRegroup, world_size: int,
-                 join_timeout: float, failure_grace: float) -> None:
-        self.membership = membership
-        self.kv = kv
-        self.channel = channel  # the node channel: reports and instructions go through the agent
-        self.coordinator = coordinator
+    def __init__(self, context: WorkerContext, groups: ProcessGroups, tracked: TrackedState, restorer: Restorer,
+                 boundary: StepBoundary, wrappers: DistributedWrappers, checkpoints: DiskCheckpoints,
+                 regroup: BusyPeerRegroup) -> None:
+        self.context = context
+        self.membership = context.membership
+        self.kv = context.kv
+        self.channel = context.channel
+        self.coordinator = context.coordinator
+        self.report = context.report
+        self.events = context.events
+        self.placement = context.placement
+        self.world_size = context.world_size
+        self.join_timeout = context.join_timeout
+        self.failure_grace = context.failure_grace
         self.groups = groups
         self.tracked = tracked
         self.restorer = restorer
         self.boundary = boundary
         self.wrappers = wrappers
         self.checkpoints = checkpoints
-        self.report = report
-        self.events = events
-        self.placement = placement
         self.regroup = regroup  # asks for a regroup when a formation times out with nobody lost
-        self.world_size = world_size
-        self.join_timeout = join_timeout
-        self.failure_grace = failure_grace
         ceiling = groups.connect_timeout
         self.recovery_connect_timeout = min(ceiling, RECOVERY_CONNECT_TIMEOUT) if ceiling else None
-        self.replication: Optional[Replication] = None
-        self.watcher: Optional[EpochWatcher] = None
         self.next_step = 0
         self.recoveries = 0
         self._formation_timeouts = 0  # in a row, that no lost member explained
+
+    @property
+    def replication(self) -> Replication:
+        return self.context.replication
+
+    @property
+    def watcher(self) -> EpochWatcher:
+        return self.context.watcher
 
     def recover(self) -> None:
         """Join the newest epoch, and again while newer ones supersede it."""

@@ -11,8 +11,7 @@ from peerstate.control.messages import RestorePlan, RestoreSource, SharePull
 from peerstate.errors import InternalError
 from peerstate.replication.endpoint import Replication
 from peerstate.worker.checkpoint import DiskCheckpoints
-from peerstate.worker.membership import Membership
-from peerstate.worker.report import RecoveryReport
+from peerstate.worker.context import WorkerContext
 from peerstate.worker.tracked_state import TrackedState
 
 
@@ -42,14 +41,17 @@ class Restorer:
     state whose state is not registered yet (a replacement before ``track()``) is
     kept as ``pending`` and carried out by ``restore_pending``."""
 
-    def __init__(self, membership: Membership, tracked: TrackedState, checkpoints: DiskCheckpoints,
-                 report: RecoveryReport) -> None:
-        self._membership = membership
+    def __init__(self, context: WorkerContext, tracked: TrackedState, checkpoints: DiskCheckpoints) -> None:
+        self._context = context
+        self._membership = context.membership
         self._tracked = tracked
         self._checkpoints = checkpoints
-        self._report = report
-        self.replication: Optional[Replication] = None  # set once this process has a rank
+        self._report = context.report
         self.pending: Optional[RestorePlan] = None
+
+    @property
+    def replication(self) -> Replication:
+        return self._context.replication
 
     def can_run(self, needs_state: bool) -> bool:
         """Whether a plan can be carried out now (else it waits for ``track()``)."""
@@ -108,6 +110,7 @@ class Restorer:
         if shares:  # logged after the first step
             self._report.pulled = dict(
                 rank=self._membership.rank, version=version, replacement=replacement, shares=shares,
-                sources={share: pulls[share].sources for share in shares}, same_node_sources=sorted({s for share in shares for s in pulls[share].same_node}),
+                sources={share: pulls[share].sources for share in shares},
+                same_node_sources=sorted({s for share in shares for s in pulls[share].same_node}),
                 chunks=sum(results[s].chunks for s in shares),
                 chunks_from_memory=sum(results[s].chunks_from_memory for s in shares))

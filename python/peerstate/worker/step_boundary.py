@@ -17,8 +17,7 @@ from peerstate.errors import AbortedError
 from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.worker.checkpoint import DiskCheckpoints
-from peerstate.worker.membership import Membership
-from peerstate.worker.report import RecoveryReport
+from peerstate.worker.context import WorkerContext
 from peerstate.worker.tracked_state import TrackedState
 
 try:
@@ -66,20 +65,19 @@ class StepBoundary:
     measurements only). The first boundary registers the tracked state (the
     optimizer's state exists only after its first step)."""
 
-    def __init__(self, membership: Membership, tracked: TrackedState, kv: KeyValueStore, placement: BuddyPlacement,
-                 checkpoints: DiskCheckpoints, report: RecoveryReport, progress: Optional[ProgressCounter],
-                 snapshot_every: int, join_timeout: float) -> None:
-        self._membership = membership
+    def __init__(self, context: WorkerContext, tracked: TrackedState, checkpoints: DiskCheckpoints,
+                 progress: Optional[ProgressCounter], snapshot_every: int) -> None:
+        self._context = context
+        self._membership = context.membership
         self.tracked = tracked
-        self._kv = kv
-        self._placement = placement
+        self._kv = context.kv
+        self._placement = context.placement
         self._checkpoints = checkpoints
-        self._report = report
+        self._report = context.report
         self._progress = progress
         self.snapshot_every = snapshot_every
-        self._join_timeout = join_timeout
+        self._join_timeout = context.join_timeout
         self.capture = True
-        self.replication: Optional[Replication] = None  # set once this process has a rank
         self._pending_version: Optional[int] = None  # snapshotted, not yet replicated
         self._failing_holders: Dict[int, Optional[str]] = {}  # holder -> why its last push failed
         self._newest_epoch = 0  # the newest epoch the abort path has seen begin (on_new_epoch)
@@ -88,6 +86,10 @@ class StepBoundary:
     @property
     def rank(self) -> Optional[int]:
         return self._membership.rank
+
+    @property
+    def replication(self) -> Replication:
+        return self._context.replication
 
     def end_step(self, step: int, seconds: float, epoch: int) -> None:
         report = self._report
