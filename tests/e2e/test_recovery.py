@@ -747,3 +747,20 @@ def test_a_data_parallel_rank_of_a_two_node_job_opens_one_replication_port(tmp_p
         assert counts == [("0", "1"), ("1", "1"), ("2", "1"), ("3", "1")], job.describe()
     finally:
         job.close()
+
+
+def test_state_that_cannot_fit_the_nodes_memory_stops_the_job_before_it_is_allocated(run, monkeypatch):
+    # A node said to have 1 MiB for its 2 ranks: a share of 512 KiB holds not even the 4 versions of
+    # a rank's own state (each reserves 256 KiB for its objects). Every rank would refuse the same, so
+    # the job stops at the first step, saying what to do, instead of handing the rank to the spare.
+    monkeypatch.setenv("PEERSTATE_HOST_MEMORY", "1M")  # the agents, and so their workers, inherit it
+    job = run(nodes=[(2, 1)])
+    assert job.wait() == [1], job.describe()
+    summary = job.agent_logs[0].read_text()
+    assert "cannot hold its state for recoveries in this node's memory: 4 versions of its own state" in summary, \
+        summary
+    assert "over its share of 512 KiB (1.0 MiB from the node's PEERSTATE_HOST_MEMORY, for 2 ranks)" in summary, \
+        summary
+    assert "Spread the state over more ranks or nodes (FSDP" in summary, summary
+    assert not job.events("spare_assigned"), job.describe()
+    assert not re.search(r"^rank \d step 1\b", job.text(), re.M), "a step ran past the refusal"

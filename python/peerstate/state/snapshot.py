@@ -71,6 +71,7 @@ class SnapshotStore:
         validate: bool = True,
         object_capacity: int = 256 * 1024,
     ) -> None:
+        self.max_versions = max_versions
         self._native = _C.SnapshotStore(
             threads=threads or 0,
             chunk_bytes=chunk_bytes,

@@ -69,6 +69,7 @@ from peerstate.state.training_state import optimizer_parts
 from peerstate.worker.abort import AbortHandler
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.context import WorkerContext
+from peerstate.worker.host_budget import HostMemoryBudget, node_memory
 from peerstate.worker.joiner import FORM_CONNECT_TIMEOUT, EpochJoiner, Superseded
 from peerstate.worker.membership import EpochWatcher, Membership, MemberState, wait_for_assignment
 from peerstate.worker.meshes import BuiltMeshes, DeclaredMesh, replica_dimension
@@ -187,7 +188,8 @@ class Job:
         claim_pg_timeouts(self._groups, lambda message: report_finding(self._channel, self.rank, self._worker,
                                                                        self.next_step, message, OVERRIDDEN))
         self._membership = Membership(env.worker, spare=env.spare)
-        self._tracked = TrackedState(nodes, k, data_parallel_shares, versions, snapshot_threads)
+        budget = HostMemoryBudget(*node_memory(), env.nproc_per_node, self._coordinator.fail_job)
+        self._tracked = TrackedState(nodes, k, data_parallel_shares, versions, snapshot_threads, budget)
         self._meshes: List[Union[DeclaredMesh, BuiltMeshes]] = []
         self._wrappers = DistributedWrappers(self._kv)
         self._checkpoints = checkpoints = DiskCheckpoints(self._tracked, self._wrappers,

@@ -175,7 +175,8 @@ class EpochJoiner:
                 self.replication.release_once_replicated(self._release_stopped)
             # Off the critical path: the first push to this holder comes a step later
             # (if it came sooner, it would fail and the next round would carry it).
-            reserve_replicas(self.kv, self.replication, self.placement, rank, self.join_timeout, background=True)
+            reserve_replicas(self.kv, self.replication, self.placement, rank, self.join_timeout, background=True,
+                             budget=self.tracked.budget)
             return
         self.wrappers.rebuild()
 

@@ -18,6 +18,7 @@ from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.context import WorkerContext
+from peerstate.worker.host_budget import HostMemoryBudget
 from peerstate.worker.tracked_state import TrackedState
 
 try:
@@ -43,16 +44,20 @@ def publish_size(kv: KeyValueStore, rank: int, bytes_per_version: int) -> None:
 
 
 def reserve_replicas(kv: KeyValueStore, replication: Replication, placement: BuddyPlacement, rank: int,
-                     timeout: float, background: bool = False, moot: Callable[[], bool] = lambda: False) -> None:
+                     timeout: float, background: bool = False, moot: Callable[[], bool] = lambda: False,
+                     budget: Optional[HostMemoryBudget] = None) -> None:
     """Account (and allocate) the replicas of the ranks this rank serves, once they
-    published their sizes (``publish_size``). Raises AbortedError as soon as
-    ``moot()`` says a new epoch began (a served rank that died before publishing
-    never will), TimeoutError after ``timeout``."""
+    published their sizes (``publish_size``), after ``budget`` (if any) found they
+    fit beside its own versions. Raises AbortedError as soon as ``moot()`` says a
+    new epoch began (a served rank that died before publishing never will),
+    TimeoutError after ``timeout``."""
     served = placement.served_by(rank)
     names = [keys.replica_bytes(r) for r in served]
     if not kv.wait_until(names, time.monotonic() + timeout, moot):
         raise AbortedError(f"rank {rank}: a new epoch began while it waited for the replica sizes of ranks {served}")
     sizes = {r: int(kv.get(keys.replica_bytes(r))) for r in served}
+    if budget is not None:
+        budget.replicas(rank, sizes)
     if background:
         threading.Thread(target=replication.reserve, args=(sizes,), name="peerstate-reserve", daemon=True).start()
     else:
@@ -126,7 +131,7 @@ class StepBoundary:
         epoch = self._membership.epoch
         self._reserve_interrupted = True  # until it returns: the next boundary tries again
         reserve_replicas(self._kv, self.replication, self._placement, self.rank, self._join_timeout,
-                         moot=lambda: self._newest_epoch > epoch)
+                         moot=lambda: self._newest_epoch > epoch, budget=self.tracked.budget)
         self._reserve_interrupted = False
 
     def on_new_epoch(self, epoch: int) -> None:

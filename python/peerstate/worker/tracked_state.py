@@ -16,6 +16,7 @@ from peerstate.state.buffers import ByteRange
 from peerstate.state.snapshot import SnapshotStore
 from peerstate.state.training_state import (capture_rng, check_optimizer_state, model_parts, optimizer_parts,
                                             restore_rng, rng_fingerprint, training_state)
+from peerstate.worker.host_budget import HostMemoryBudget
 
 # Slots of a share this rank does not snapshot itself: where a recovery lands it.
 PULLED_SHARE_VERSIONS = 2
@@ -33,7 +34,7 @@ class TrackedState:
     which ranks hold equal copies."""
 
     def __init__(self, node_of_rank: Sequence[int], k: int, share_count: Optional[int], versions: int,
-                 threads: Optional[int]) -> None:
+                 threads: Optional[int], budget: Optional[HostMemoryBudget] = None) -> None:
         self.node_of_rank = list(node_of_rank)
         self.k = k
         self.share_count = share_count
@@ -41,6 +42,7 @@ class TrackedState:
         self.layout = StateLayout(k)
         self.versions = versions
         self.threads = threads
+        self.budget = budget  # checked before the versions are allocated (and the replicas: reserve_replicas)
         self.own = SnapshotStore(max_versions=versions, threads=threads)
         self.share_stores: List[SnapshotStore] = []
         self.objects: Dict[str, Any] = {}
@@ -104,6 +106,9 @@ class TrackedState:
                 self.own.register_object(f"extras/{name}", functools.partial(self.extras.__getitem__, name),
                                          functools.partial(self.extras.__setitem__, name))
         self.own.register_object("rng", capture_rng, restore_rng)
+        if self.budget is not None and rank is not None:  # a hot spare's slots are not a rank's (see host_budget)
+            self.budget.own(rank, sum(store.memory()["bytes_per_version"] * store.max_versions
+                                      for store in self.all_stores()), self.versions)
         for store in self.all_stores():
             store.allocate()
         self.registered = True
