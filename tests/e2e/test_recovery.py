@@ -601,12 +601,17 @@ def test_rank_and_its_only_buddy_lost_falls_back_to_the_disk_checkpoint(run, ref
               agent_args=FAST + ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "5"])
     job.wait_for(lambda: len(job.events("spare_ready")) >= len(killed), "the spares")
     job.wait_for_step(2, 12)
-    for rank in killed:
-        job.kill_rank(rank)
+    for rank, pid in [(rank, job.pid_of(rank)) for rank in killed]:  # back to back, the pids found first
+        job.signal_process(pid, signal.SIGKILL, f"rank {rank}")
     assert job.wait() == [0, 0], job.describe()
     assert_bitwise(job, reference)
     [fallback] = {e["step"]: e for e in job.events("checkpoint_fallback")}.values()
-    assert fallback["step"] % 5 == 0 and f"ranks {' and '.join(map(str, killed))} lost" in fallback["message"]
+    # Usually every rank is declared in one plan, and the fallback names them all; under load a node's
+    # ranks may be planned for before the other node's are killed, and the fallback then names those
+    # whose every copy was lost after it (the first ones' replacements held nothing yet).
+    named = {int(r) for r in re.match(r"ranks? ((?:\d+(?: and )?)+) lost", fallback["message"]).group(1).split(" and ")}
+    declared = {rank for plan in job.events("plan") for rank in plan["failed"]}
+    assert fallback["step"] % 5 == 0 and named <= set(killed) and declared >= set(killed), (fallback, declared)
     # The holders dropped the abandoned run's replicas too: the re-run's versions landed
     # (the soak found every push refused as "not newer" up to the step of the failure).
     refused = [e for e in job.events("replication_failed") if "not newer" in e["error"]]
