@@ -97,8 +97,8 @@ def test_a_resume_that_is_not_bitwise_is_said_on_the_console_and_in_the_summary(
     job.kill_rank(2)
     assert job.wait() == [0, 0], job.describe()
     [warning] = job.events("rng_changed_after_restore")
-    assert warning["rank"] == 2, warning
-    assert "and they changed before its first step" in (job.logs / "n0.2.log").read_text()
+    assert warning["rank"] == 2 and warning["generators"] == ["torch"], warning
+    assert "and they changed before its first step (moved: torch)" in (job.logs / "n0.2.log").read_text()
     console = job.agent_logs[0].read_text()  # rank 2's replacement is node 0's spare
     said = re.findall(r"rank 2 \(n0\.2\) at step \d+: this run is no longer bitwise equal to a fault-free one: it "
                       r"was restored to step \d+ inside track\(\), RNG states included", console)

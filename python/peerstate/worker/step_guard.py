@@ -131,14 +131,15 @@ class StepChecks:
 
     def before_step(self, step: int) -> None:
         rank, worker = self._membership.rank, self._membership.worker
-        if self._tracked.rng_changed():
+        moved = self._tracked.rng_changed()
+        if moved:
             cause = (f"it was restored to step {step - 1} inside track(), RNG states included, and they "
-                     "changed before its first step: a seed set (torch.manual_seed, random.seed, numpy.random.seed) "
+                     f"changed before its first step (moved: {', '.join(moved)}): a seed set (torch.manual_seed, random.seed, numpy.random.seed) "
                      "or a random draw made after track() (a batch prefetched across steps draws too) replaced "
                      "them. Seed before Job() and track(), or draw from a generator seeded by the step "
                      "(docs/training-script.md, 'What a training script must and must not do').")
             print(f"peerstate: rank {rank} {cause}", file=sys.stderr, flush=True)
-            self._events.write("rng_changed_after_restore", rank=rank, step=step)
+            self._events.write("rng_changed_after_restore", rank=rank, step=step, generators=moved)
             report_finding(self._channel, rank, worker, step, cause)
             warnings.warn(cause, RuntimeWarning, stacklevel=3)
         for found, kind in ((self.unguarded.cause(self._membership.epoch, step), UNGUARDED),

@@ -214,16 +214,16 @@ class TrackedState:
         """Note the RNG states a restore just set (see ``rng_changed``)."""
         self._restored_rng = rng_fingerprint()
 
-    def rng_changed(self) -> bool:
-        """Whether the RNG states moved since ``remember_rng`` (then forgets them): a
-        replacement's script that seeds or draws after ``track()`` has thrown away the
-        state it was restored to. A generator that appeared since (CUDA initialised
-        after ``track()``) is not a change."""
+    def rng_changed(self) -> List[str]:
+        """The generators (python, numpy, torch, cuda) that moved since ``remember_rng``
+        (then forgets them): a replacement's script that seeds or draws after
+        ``track()`` has thrown away the state it was restored to. A generator that
+        appeared since (CUDA initialised after ``track()``) is not a change."""
         restored, self._restored_rng = self._restored_rng, None
         if restored is None:
-            return False
+            return []
         now = rng_fingerprint()
-        return any(now[name] != state for name, state in restored.items() if name in now)
+        return sorted(name for name, state in restored.items() if name in now and now[name] != state)
 
     def clear_gradients(self) -> None:
         """Set the gradient of every tracked parameter to None. The step after a restore
