@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 import peerstate
-from peerstate import _C
+from peerstate import _C, _probes
 
 MiB = 1 << 20
 
@@ -148,7 +148,7 @@ def ceiling(protection: str, plain_GBps: float, plain_cpu_per_GB: float, tag_GBp
     ceiling lower). 1.0 for no protection."""
     if protection not in tag_GBps:
         return 1.0
-    cores = _C.available_cores()
+    cores = _probes.available_cores()
     best_GBps = cores / (plain_cpu_per_GB + 2 / tag_GBps[protection])
     return min(1.0, best_GBps / plain_GBps)
 
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sizes = args.sizes or ([256] if args.quick else [256, 1024])
     # One core's rate of each protection's pass over a payload, by the library the transport uses.
-    tag_GBps = {p: _C.frame_protection_throughput(p) / 1e9 for p in args.protections if p != "trusted-fabric"}
+    tag_GBps = {p: _probes.frame_protection_throughput(p) / 1e9 for p in args.protections if p != "trusted-fabric"}
     print("one core: " + ", ".join(f"{p} {rate:.2f} GB/s" for p, rate in tag_GBps.items()), flush=True)
     rows = [row for size in sizes for protection in args.protections
             for row in run(size, args.repeats, protection, tag_GBps)]
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
           "core's rate (prot.): ours - plain - prot. is what the transport itself costs, on any machine")
     result = dict(benchmark="replication",
                   command="python " + " ".join(["bench/replication.py", *(argv if argv is not None else sys.argv[1:])]),
-                  machine=dict(cores=_C.available_cores(), cpu=platform.processor() or platform.machine()),
+                  machine=dict(cores=_probes.available_cores(), cpu=platform.processor() or platform.machine()),
                   repeats=args.repeats, one_core_protection_GBps=tag_GBps, rows=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import peerstate
-from peerstate import _C
+from peerstate import _C, _probes
 
 MiB = 1 << 20
 SMALL_TENSOR = 64 * 1024
@@ -48,7 +48,7 @@ def nbytes(tensors: list) -> int:
 
 def copy_kinds() -> list:
     """(streaming, threads) of every plain parallel copy tried as the limit."""
-    return [(streaming, threads) for streaming in (False, True) for threads in range(1, _C.available_cores() + 1)]
+    return [(streaming, threads) for streaming in (False, True) for threads in range(1, _probes.available_cores() + 1)]
 
 
 def kind_name(kind: tuple) -> str:
@@ -68,7 +68,7 @@ def measure(tensors: list, checksums: bool, repeats: int, limits: bool = True) -
     its rounds back to back: interleaving them measured the write-back of the other
     side's dirty cache lines (this machine has a 480 MiB L3) more than either copy."""
     sources = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
-    best = {kind: _C.measure_parallel_memcpy(sources, kind[1], repeats, kind[0]) for kind in copy_kinds()} if limits else {}
+    best = {kind: _probes.measure_parallel_memcpy(sources, kind[1], repeats, kind[0]) for kind in copy_kinds()} if limits else {}
     store = peerstate.SnapshotStore(checksums=checksums)
     best.update(snapshot=float("inf"), restore=float("inf"))
     try:
@@ -179,8 +179,8 @@ def main(argv=None) -> int:
     result = dict(
         benchmark=name,
         command="python " + " ".join([f"bench/{Path(__file__).name}", *(argv if argv is not None else sys.argv[1:])]),
-        machine=dict(cores=_C.available_cores(), cpu=platform.processor() or platform.machine(),
-                     crc32c_hardware=_C.crc32c_hardware_available(), cuda_available=peerstate.cuda_available()),
+        machine=dict(cores=_probes.available_cores(), cpu=platform.processor() or platform.machine(),
+                     crc32c_hardware=_probes.crc32c_hardware_available(), cuda_available=peerstate.cuda_available()),
         repeats=repeats, rows=rows,
     )
     Path(out).parent.mkdir(parents=True, exist_ok=True)

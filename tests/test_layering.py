@@ -20,6 +20,7 @@ NATIVE_RANKS = {"common": 0, "store": 1, "net": 2, "replication": 3, "device": 3
 
 # Leaves any module may import: the native module, the errors it raises, the key schema.
 LEAVES = {"peerstate._C", "peerstate.errors", "peerstate.control.keys"}
+PROBES = "peerstate._probes"  # the tests' and benchmarks' native hooks: no module of the package's
 # Each plane's rank: a module imports only ranks below its own, or its own plane.
 RANKS = {"state": 1, "replication": 2, "control": 3, "worker": 4, "launcher": 4, "tools": 5,
          "integrations": 6, "demo": 6, "cli": 7, "__main__": 8}
@@ -33,7 +34,8 @@ def module_names(package: Path) -> Dict[str, Path]:
         if parts[-1] == "__init__":
             parts.pop()
         names[".".join(parts)] = path
-    names[f"{package.name}._C"] = package / "_C.pyi"  # the native module, as its stub declares it
+    for native in ("_C", "_probes"):  # the native modules, as their stubs declare them
+        names[f"{package.name}.{native}"] = package / f"{native}.pyi"
     return names
 
 
@@ -71,6 +73,9 @@ def violations(package: Path) -> List[str]:
     wrong = []
     for name, imported in sorted(graph.items()):
         for target in sorted(imported):
+            if target == PROBES:
+                wrong.append(f"{name} imports {PROBES}: the measurement hooks are the tests' and benchmarks'")
+                continue
             if target in LEAVES or plane(target) == plane(name) != ROOT:
                 continue
             if target == ROOT:
@@ -128,9 +133,11 @@ def test_a_planted_back_import_a_root_import_and_a_loop_are_each_found(tmp_path)
     for module, source in {
         "__init__.py": "",
         "_C.pyi": "",
+        "_probes.pyi": "",
         "errors.py": "from peerstate import _C\n",
         "state/__init__.py": "",
         "state/buffers.py": "def f():\n    from peerstate.worker import job\n",  # a back-import, in a function
+        "state/snapshot.py": "from peerstate import _probes\n",  # a test hook in the product
         "control/__init__.py": "",
         "control/keys.py": "",
         "control/kvstore.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .memory_store import M\n",
@@ -145,6 +152,7 @@ def test_a_planted_back_import_a_root_import_and_a_loop_are_each_found(tmp_path)
     assert violations(package) == [
         "peerstate.launcher.agent imports the root package peerstate (the public API is for the top planes)",
         "peerstate.state.buffers (state) imports peerstate.worker.job (worker)",
+        "peerstate.state.snapshot imports peerstate._probes: the measurement hooks are the tests' and benchmarks'",
         "peerstate.worker.job (worker) imports peerstate.launcher.agent (launcher)",
         "import cycle: peerstate.control.kvstore -> peerstate.control.memory_store -> peerstate.control.kvstore",
     ]

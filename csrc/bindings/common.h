@@ -46,12 +46,15 @@ void call_without_gil(Fn&& fn) {
 // offset, dtype)], chunks: [(offset, nbytes, device)], checksums}.
 pybind11::dict meta_dict(const VersionMeta& meta);
 
+// Creates the exception classes in `m` (peerstate._C) from the status table.
 void bind_errors(pybind11::module_& m);
+// For a second extension module: raise_if_error raises peerstate._C's classes
+// (imported here), so that both modules' errors are one hierarchy.
+void import_errors();
 void bind_snapshot(pybind11::module_& m);
 void bind_net(pybind11::module_& m);
 void bind_replication(pybind11::module_& m);
 void bind_device(pybind11::module_& m);
-void bind_testing(pybind11::module_& m);
 void bind_liveness(pybind11::module_& m);
 
 }  // namespace peerstate::bindings

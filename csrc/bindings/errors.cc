@@ -27,6 +27,16 @@ PyObject* new_exception(py::module_& m, const char* name, PyObject* bases, const
   return type;
 }
 
+void register_translator() {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusException& e) {
+      PyErr_SetString(g_exceptions[static_cast<size_t>(e.code)], e.what());
+    }
+  });
+}
+
 }  // namespace
 
 void raise_if_error(const Status& st) {
@@ -57,13 +67,18 @@ void bind_errors(py::module_& m) {
   // (value, code, exception, builtin base or "", doc) for every code but kOk, in table order.
   m.attr("status_codes") = codes;
 
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const StatusException& e) {
-      PyErr_SetString(g_exceptions[static_cast<size_t>(e.code)], e.what());
-    }
-  });
+  register_translator();
+}
+
+void import_errors() {
+  py::module_ core = py::module_::import("peerstate._C");
+  g_exceptions.fill(core.attr("Error").ptr());
+#define PEERSTATE_IMPORT_STATUS(code, exception, builtin, doc) \
+  g_exceptions[static_cast<size_t>(StatusCode::code)] = core.attr(#exception).ptr();
+  PEERSTATE_STATUS_CODES(PEERSTATE_IMPORT_STATUS)
+#undef PEERSTATE_IMPORT_STATUS
+  // The classes live as long as peerstate._C, which sys.modules keeps.
+  register_translator();
 }
 
 }  // namespace peerstate::bindings

@@ -8,6 +8,5 @@ PYBIND11_MODULE(_C, m) {
   peerstate::bindings::bind_net(m);
   peerstate::bindings::bind_replication(m);
   peerstate::bindings::bind_device(m);
-  peerstate::bindings::bind_testing(m);
   peerstate::bindings::bind_liveness(m);
 }

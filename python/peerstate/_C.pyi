@@ -104,18 +104,9 @@ class SnapshotStore:
     @property
     def checksums(self) -> bool: ...
 
-def crc32c(data: Any, crc: int = 0, implementation: str = "auto") -> int:
-    """CRC32C of a buffer, continued from `crc`; implementation: auto|hardware|software."""
-
-def crc32c_hardware_available() -> bool: ...
 def cuda_compiled() -> bool: ...
 def cuda_available() -> bool: ...
 def cuda_device_count() -> int: ...
-def available_cores() -> int: ...
-def measure_parallel_memcpy(
-    sources: List[Tuple[int, int]], threads: int, repeats: int = 3, streaming: bool = False
-) -> float:
-    """Best seconds of `repeats` parallel copies of the sources into one region."""
 
 class LivenessTicker:
     """Stores an increasing count into the 8-byte word at `offset` of the file at
@@ -300,13 +291,6 @@ class PullSource:
     pid: int
     region: int
 
-def hmac_sha256(key: bytes, data: bytes) -> bytes:
-    """HMAC-SHA256 by the system's libcrypto (UnavailableError without one)."""
-def crypto_library() -> str:
-    """Where libcrypto was found ("already loaded" or a path); UnavailableError says why not."""
-def frame_protection_throughput(protection: str, nbytes: int = ..., repeats: int = 5) -> float:
-    """One core's bytes per second (best of `repeats`) of a frame protection's pass over `nbytes`
-    ("authenticated": the AES-256-GCM tag; "encrypted": encryption too), for benchmarks."""
 def nccl_load() -> Dict[str, Any]:
     """Find libnccl at run time: {version, version_code, origin}; UnavailableError says why not."""
 def nccl_unique_id() -> bytes: ...

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import peerstate
-from peerstate import _C
+from peerstate import _C, _probes
 
 from helpers.wire_client import SECRET, authenticate, closed_by_server, credentials
 
 HOLDER = textwrap.dedent("""
     import json, sys
-    from peerstate import _C
+    from peerstate import _C, _probes
     replicas = _C.ReplicaStore(budget_bytes=64 << 20)
     for rank in (0, 2):
         replicas.reserve(rank, int(sys.argv[2]))
@@ -31,7 +31,7 @@ HOLDER = textwrap.dedent("""
     print(server.port, flush=True)
     for line in sys.stdin:  # each line asks for what the holder holds
         print(json.dumps({"committed": replicas.committed(), "stats": server.stats(),
-                          "crc": [_C.crc32c(replicas.stored_bytes(r)) for r, _ in replicas.committed()]}),
+                          "crc": [_probes.crc32c(replicas.stored_bytes(r)) for r, _ in replicas.committed()]}),
               flush=True)
     server.stop()
 """)

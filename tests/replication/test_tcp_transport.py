@@ -15,25 +15,25 @@ import time
 import pytest
 
 import peerstate
-from peerstate import _C
+from peerstate import _C, _probes
 
 from helpers.wire_client import (ACK, ERROR, GET_CHUNK, GET_META, PUT_BEGIN, PUT_CHUNK, PUT_COMMIT, credentials,
                                  authenticate, closed_by_server, frame, recv_exact)
 
 def test_native_hmac_matches_python():
     for key, msg in [(b"k" * 16, b""), (b"key", b"The quick brown fox"), (b"x" * 100, os.urandom(1000))]:
-        assert _C.hmac_sha256(key, msg) == hmac.new(key, msg, hashlib.sha256).digest()
+        assert _probes.hmac_sha256(key, msg) == hmac.new(key, msg, hashlib.sha256).digest()
     # RFC 4231 test case 2
-    assert _C.hmac_sha256(b"Jefe", b"what do ya want for nothing?").hex() == (
+    assert _probes.hmac_sha256(b"Jefe", b"what do ya want for nothing?").hex() == (
         "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843")
 
 
 def test_the_frame_protections_pass_is_measured_through_the_transports_libcrypto():
     # What bench/replication.py's ceiling is made of: a rate, never zero, and a clear error.
-    assert _C.frame_protection_throughput("authenticated", 1 << 20, 1) > 0
-    assert _C.frame_protection_throughput("encrypted", 1 << 20, 1) > 0
+    assert _probes.frame_protection_throughput("authenticated", 1 << 20, 1) > 0
+    assert _probes.frame_protection_throughput("encrypted", 1 << 20, 1) > 0
     with pytest.raises(peerstate.InvalidArgumentError, match="'authenticated' or 'encrypted'"):
-        _C.frame_protection_throughput("trusted-fabric", 1 << 20, 1)
+        _probes.frame_protection_throughput("trusted-fabric", 1 << 20, 1)
 
 
 def test_short_secret_forged_credentials_and_wildcard_address_must_be_explicit():

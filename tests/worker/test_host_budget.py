@@ -58,10 +58,17 @@ def test_what_fits_the_share_passes_and_what_does_not_stops_the_job_with_what_to
     message = str(refused.value)
     assert message.startswith("rank 3 cannot hold its state for recoveries in this node's memory: 5 versions of its "
                               "own state take 3.00 GiB and two regions of each replica it holds for ranks [1, 2] "
-                              "2.00 GiB, over its share of 4.00 GiB (16.00 GiB from the node's physical memory, "
+                              "take 2.00 GiB, over its share of 4.00 GiB (16.00 GiB from the node's physical memory, "
                               "for 4 ranks)"), message
     assert "(FSDP, more data-parallel shares), keep fewer versions (Job(versions=5) now, 4 at least), or" in message
     assert kv.get(keys.JOB_FAILED).decode() == message  # the job stops: every rank would refuse the same
+
+
+def test_a_replacement_refused_for_its_replicas_before_its_own_versions_names_only_the_replicas():
+    budget = HostMemoryBudget(4 * GIB, "physical memory", 2, Coordinator(InMemoryKeyValueStore()).fail_job)
+    with pytest.raises(InvalidArgumentError, match=r": two regions of each replica it holds for ranks \[0\] take "
+                                                   r"4\.00 GiB, over its share of 2\.00 GiB "):
+        budget.replicas(1, {0: 2 * GIB})
 
 
 def test_the_first_reason_recorded_is_the_one_raised():

@@ -111,8 +111,9 @@ class HostMemoryBudget:
         each, beside its own versions, before they are allocated."""
         held = 2 * sum(sizes.values())
         if self._own + held > self.share:
-            self._refuse(rank, f"{self._versions} versions of its own state take {size(self._own)} and two regions "
-                               f"of each replica it holds for ranks {sorted(sizes)} {size(held)}")
+            # A replacement reserves its buddies' replicas before its own versions are checked.
+            own = f"{self._versions} versions of its own state take {size(self._own)} and " if self._versions else ""
+            self._refuse(rank, f"{own}two regions of each replica it holds for ranks {sorted(sizes)} take {size(held)}")
 
     def _refuse(self, rank: int, what: str) -> None:
         fewer = f" keep fewer versions (Job(versions={self._versions}) now, 4 at least)," if self._versions > 4 else ""

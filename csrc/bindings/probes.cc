@@ -1,6 +1,7 @@
-// Bindings for the core's utilities that tests and benchmarks measure or
-// check directly: checksums, the HMAC, the parallel copy, where libcrypto came
-// from. Not used by the package.
+// peerstate._probes: the core's utilities that tests and benchmarks measure or
+// check directly (checksums, the HMAC, the parallel copy, where libcrypto came
+// from), in a module of their own so that the package's _C carries only what
+// the package uses. Errors raise _C's exception classes (import_errors).
 #include <pybind11/stl.h>
 
 #include <algorithm>
@@ -30,9 +31,7 @@ Crc32cImplementation parse_implementation(const std::string& name) {
   return Crc32cImplementation::kAuto;
 }
 
-}  // namespace
-
-void bind_testing(py::module_& m) {
+void bind_probes(py::module_& m) {
   m.def("crc32c",
         [](py::buffer data, uint32_t crc, const std::string& implementation) {
           Crc32cImplementation impl = parse_implementation(implementation);
@@ -106,4 +105,11 @@ void bind_testing(py::module_& m) {
   });
 }
 
+}  // namespace
 }  // namespace peerstate::bindings
+
+PYBIND11_MODULE(_probes, m) {
+  m.doc() = "peerstate's measurement and test hooks (see peerstate/_probes.pyi); not used by the package";
+  peerstate::bindings::import_errors();
+  peerstate::bindings::bind_probes(m);
+}
