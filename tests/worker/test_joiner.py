@@ -54,7 +54,7 @@ def joiner(monkeypatch, tmp_path):
 
 
 def test_a_formation_that_times_out_joins_the_epoch_that_declares_the_missing_member_lost(joiner):
-    declared = threading.Timer(0.6, lambda: joiner.kv.set(
+    declared = threading.Timer(0.6, lambda: joiner.context.kv.set(
         keys.epoch_plan(2), RecoveryPlan(2, failed=[1], reason="rank 1 was killed").encode()))
     declared.start()  # after the formation gave up (0.2 s), within FORMATION_GRACE
     try:
@@ -75,7 +75,7 @@ def test_a_formation_that_times_out_with_nobody_lost_is_formed_again_in_a_regrou
     assert regroup.epoch == 2 and regroup.failed == [] and regroup.replaced == {}
     assert "no member was declared lost (one was late)" in regroup.reason and "forming the process group" in \
         regroup.reason
-    said = [e for e in read_events(joiner.events.path) if e["event"] == "regroup"]
+    said = [e for e in read_events(joiner.context.events.path) if e["event"] == "regroup"]
     assert [(e["epoch"], e["cause"]) for e in said] == [(2, "formation timeout")]
 
 

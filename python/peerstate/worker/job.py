@@ -406,8 +406,7 @@ class Job:
         if undeclared:  # a replacement would run into the same: the job stops
             raise InvalidArgumentError(self._coordinator.fail_job(f"rank {self.rank}: {undeclared}"))
         self._checks.before_step(self.next_step)
-        self._guard = StepGuard(self._joiner, self._boundary, self._membership, self._events, self._regroup,
-                                self._checks.step_ended)
+        self._guard = StepGuard(self._context, self._joiner, self._boundary, self._regroup, self._checks.step_ended)
         return self._guard
 
     def guarded(self, step_function: Callable[..., Any]) -> Callable[..., Any]:

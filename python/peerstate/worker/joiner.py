@@ -67,16 +67,6 @@ class EpochJoiner:
                  boundary: StepBoundary, wrappers: DistributedWrappers, checkpoints: DiskCheckpoints,
                  regroup: BusyPeerRegroup) -> None:
         self.context = context
-        self.membership = context.membership
-        self.kv = context.kv
-        self.channel = context.channel
-        self.coordinator = context.coordinator
-        self.report = context.report
-        self.events = context.events
-        self.placement = context.placement
-        self.world_size = context.world_size
-        self.join_timeout = context.join_timeout
-        self.failure_grace = context.failure_grace
         self.groups = groups
         self.tracked = tracked
         self.restorer = restorer
@@ -110,13 +100,13 @@ class EpochJoiner:
     def join(self, plan: RecoveryPlan) -> None:
         """Join ``plan``'s epoch: report, agree on the recovery point, re-form, restore.
         Raises Superseded when a newer epoch began meanwhile."""
-        membership, rank = self.membership, self.membership.rank
+        membership, rank = self.context.membership, self.context.membership.rank
         if plan.replaced.get(rank, membership.worker) != membership.worker:
             raise JobFailedError(f"rank {rank} was given to {plan.replaced[rank]} in epoch "
                                  f"{plan.epoch}: this worker was declared failed")
         needs_state = membership.begin_join()
         if plan.epoch > 0:
-            self.report.recovery_began()
+            self.context.report.recovery_began()
             self.wrappers.release()
             self.groups.destroy()
             with membership.lock:  # see AbortHandler
@@ -124,7 +114,7 @@ class EpochJoiner:
                 membership.epoch = plan.epoch
             self.boundary.forget_pending()
             if not needs_state:
-                self.report.mark("abort")
+                self.context.report.mark("abort")
         membership.epoch = plan.epoch
         stopped, share = self._adopt_stopped(rank) if needs_state and plan.epoch > 0 else ([], [])
         orders, kept_state = self._report_and_wait(plan.epoch, needs_state, stopped, share)
@@ -134,9 +124,9 @@ class EpochJoiner:
                 self.wrappers.publish_layouts(plan.epoch, rank, kept_state)
             restore = self._plan(plan, orders.restore)
             # Steps completed after the recovery point run again; the first is the recovery's own.
-            self.report.replayed_steps += max(0, self.next_step - restore.version - 2)
+            self.context.report.replayed_steps += max(0, self.next_step - restore.version - 2)
             self.next_step = restore.version + 1
-            self.report.first_step_after = self.next_step
+            self.context.report.first_step_after = self.next_step
         # Rolling back from memory overlaps the re-forming of the group: both take tens
         # of milliseconds, and neither needs the other.
         rolling = None
@@ -150,8 +140,8 @@ class EpochJoiner:
             if rolling is not None:
                 rolling.join(check=False)
             raise
-        self.report.mark("re-form")
-        self.events.write("joined", epoch=plan.epoch, rank=rank)
+        self.context.report.mark("re-form")
+        self.context.events.write("joined", epoch=plan.epoch, rank=rank)
         if plan.epoch == 0:
             membership.end_join()
             return
@@ -175,8 +165,9 @@ class EpochJoiner:
                 self.replication.release_once_replicated(self._release_stopped)
             # Off the critical path: the first push to this holder comes a step later
             # (if it came sooner, it would fail and the next round would carry it).
-            reserve_replicas(self.kv, self.replication, self.placement, rank, self.join_timeout, background=True,
-                             budget=self.tracked.budget)
+            context = self.context
+            reserve_replicas(context.kv, self.replication, context.placement, rank, context.join_timeout,
+                             background=True, budget=self.tracked.budget)
             return
         self.wrappers.rebuild()
 
@@ -190,7 +181,8 @@ class EpochJoiner:
         is raised."""
         connect = self.recovery_connect_timeout if epoch > 0 else None
         try:
-            self.groups.form(self.kv, epoch, rank, self.world_size, self.join_timeout, connect_timeout=connect)
+            self.groups.form(self.context.kv, epoch, rank, self.context.world_size, self.context.join_timeout,
+                             connect_timeout=connect)
         except AbortedError:
             raise Superseded() from None
         except PeerstateTimeoutError as error:
@@ -202,7 +194,7 @@ class EpochJoiner:
             if connect:  # a late member, not a lost one: this machine forms slower than that
                 self.recovery_connect_timeout = min(2 * connect, self.groups.connect_timeout)
             self._regroup_after(error, epoch, rank)
-            if self.watcher.wait_newer(epoch, self.join_timeout):
+            if self.watcher.wait_newer(epoch, self.context.join_timeout):
                 raise Superseded() from None
             raise
         self._formation_timeouts = 0
@@ -222,24 +214,24 @@ class EpochJoiner:
         holder = self.replication.stopped_holder
         if holder is not None:  # adopted in an earlier epoch's join, superseded since
             return sorted(holder.own), self.replication.adopted_share
-        raw = self.channel.get(keys.stopped_holder(rank))
+        raw = self.context.channel.get(keys.stopped_holder(rank))
         if not raw:
             return [], []
         pid, address = (int(x) for x in raw.decode().split(":"))
         try:
             holder = StoppedHolder(pid, address)
         except Error as error:
-            self.events.write("stopped_holder_unreadable", rank=rank, pid=pid, error=str(error))
+            self.context.events.write("stopped_holder_unreadable", rank=rank, pid=pid, error=str(error))
             print(f"peerstate: rank {rank}: the memory of its hung predecessor (pid {pid}) cannot be read, so it "
                   f"is not a source: {error}", file=sys.stderr, flush=True)
-            self.channel.set(keys.stopped_holder_released(pid), b"1")
+            self.context.channel.set(keys.stopped_holder_released(pid), b"1")
             return [], []
         shares = self.tracked.shares if self.tracked.own_share(rank) is not None else None
         replicas, adopted_share, refused = self.replication.adopt(
             holder, shares.local(shares.share_of(rank)) if shares is not None else None)
-        self.events.write("stopped_holder_adopted", rank=rank, pid=pid, own=sorted(holder.own),
-                          replicas={str(s): v for s, v in replicas.items()}, share=adopted_share,
-                          refused=refused)
+        self.context.events.write("stopped_holder_adopted", rank=rank, pid=pid, own=sorted(holder.own),
+                                  replicas={str(s): v for s, v in replicas.items()}, share=adopted_share,
+                                  refused=refused)
         for why in refused:
             print(f"peerstate: rank {rank}: what its hung predecessor held was not all adopted: {why}",
                   file=sys.stderr, flush=True)
@@ -250,33 +242,34 @@ class EpochJoiner:
         holder = self.replication.stopped_holder
         if holder is not None:
             self.replication.release_stopped()
-            self.channel.set(keys.stopped_holder_released(holder.pid), b"1")
+            self.context.channel.set(keys.stopped_holder_released(holder.pid), b"1")
 
     def _report_and_wait(self, epoch: int, needs_state: bool, stopped: List[int],
                          adopted_share: List[int]) -> Tuple[MemberInstructions, List[int]]:
         """Hand this member's report to its agent (the node channel) and wait for its
         instructions; point the transport at the peers they name. Returns them, and the
         ranks of this node's members that kept their state."""
-        rank = self.membership.rank
+        rank = self.context.membership.rank
         local = self.tracked.local_versions(rank)
         share = self.tracked.own_share(rank)
         regions = {v: share.region_address(v) for v in {*local, *adopted_share}} if share is not None else {}
-        self.channel.set(keys.member_report(epoch, rank), MemberReport(
-            rank, self.membership.worker, local, self.replication.held_versions(), self.replication.address,
+        self.context.channel.set(keys.member_report(epoch, rank), MemberReport(
+            rank, self.context.membership.worker, local, self.replication.held_versions(), self.replication.address,
             needs_state, os.getpid(), regions, self.checkpoints.latest(), self.tracked.layout, stopped,
             adopted_share).encode())
-        key = keys.member_instructions(epoch, node_of_worker(self.membership.worker))
+        key = keys.member_instructions(epoch, node_of_worker(self.context.membership.worker))
         self.check_current(epoch)
         try:  # check_current raises once the wait is moot
-            self.channel.wait_until([key], time.monotonic() + self.join_timeout,
-                                    lambda: self.check_current(epoch) or False, poll=INSTRUCTIONS_POLL)
+            self.context.channel.wait_until([key], time.monotonic() + self.context.join_timeout,
+                                            lambda: self.check_current(epoch) or False, poll=INSTRUCTIONS_POLL)
         except TimeoutError:
             raise JobFailedError(f"rank {rank} got no instructions for epoch {epoch} within "
-                                 f"{self.join_timeout:.0f}s: the members of some node did not all join "
+                                 f"{self.context.join_timeout:.0f}s: the members of some node did not all join "
                                  "(see the agents' output)") from None
-        node_orders = NodeInstructions.decode(self.channel.get_existing([key])[0])
+        node_orders = NodeInstructions.decode(self.context.channel.get_existing([key])[0])
         names = [keys.member_report(epoch, r) for r in node_orders.members]
-        reports = {r: MemberReport.decode(raw) for r, raw in zip(node_orders.members, self.channel.get_existing(names))}
+        raws = self.context.channel.get_existing(names)
+        reports = {r: MemberReport.decode(raw) for r, raw in zip(node_orders.members, raws)}
         orders = expand(node_orders, reports, [rank])[rank]
         self.replication.connect(orders.addresses)
         return orders, [r for r, report in reports.items() if not report.needs_state]
@@ -288,7 +281,7 @@ class EpochJoiner:
         re-run version up to their own: the job ran unreplicated back to where it was.)"""
         if restore.source is RestoreSource.LOST:
             reason = lost_without_checkpoint(restore.message)
-            self.coordinator.fail_job(reason)
+            self.context.coordinator.fail_job(reason)
             raise StateLostError(reason)
         if restore.source is RestoreSource.CHECKPOINT:
             print(f"peerstate: {restore.message}; falling back to the disk checkpoint of step {restore.version} "
@@ -300,14 +293,14 @@ class EpochJoiner:
         """After an error in the loop: wait for the coordinator to declare a failure
         (a plan for a newer epoch). Up to ``failure_grace`` seconds, and for as long
         as a plan is being written (its writer may be waiting for a spare)."""
-        if self.watcher.wait_newer(epoch, self.failure_grace):
+        if self.watcher.wait_newer(epoch, self.context.failure_grace):
             return True
         # Past the grace only: a plan being written (a request a second to the job's store).
-        deadline = time.monotonic() + self.join_timeout
-        while self.kv.get(keys.epoch_owner(epoch + 1)) is not None and time.monotonic() < deadline:
+        deadline = time.monotonic() + self.context.join_timeout
+        while self.context.kv.get(keys.epoch_owner(epoch + 1)) is not None and time.monotonic() < deadline:
             if self.watcher.wait_newer(epoch, 1.0):
                 return True
-            if job_failure(self.channel):
+            if job_failure(self.context.channel):
                 return False
         return False
 
@@ -318,6 +311,6 @@ class EpochJoiner:
         of a recovery (20 requests a second a rank)."""
         if self.watcher.latest.epoch > epoch:
             raise Superseded()
-        failure = job_failure(self.channel)
+        failure = job_failure(self.context.channel)
         if failure:
             raise JobFailedError(f"the job stopped: {failure}")

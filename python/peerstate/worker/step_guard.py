@@ -15,6 +15,7 @@ from peerstate.control.findings import UNGUARDED, UNGUARDED_DRAW, report_finding
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.timeline import EventLog
 from peerstate.errors import JobFailedError
+from peerstate.worker.context import WorkerContext
 from peerstate.worker.joiner import EpochJoiner
 from peerstate.worker.membership import MemberState, Membership
 from peerstate.worker.peer_failure import raised_by_a_peer_failure
@@ -77,10 +78,11 @@ class StepGuard:
     in the time of a kill, where waiting ``failure_grace`` for a plan that only its
     own death would bring held every other rank that long."""
 
-    def __init__(self, joiner: EpochJoiner, boundary: StepBoundary, membership: Membership,
-                 events: EventLog, regroup: "BusyPeerRegroup", ended: Callable[[int], None]) -> None:
+    def __init__(self, context: WorkerContext, joiner: EpochJoiner, boundary: StepBoundary,
+                 regroup: "BusyPeerRegroup", ended: Callable[[int], None]) -> None:
         """``ended(epoch)`` is called once a step ended cleanly, its boundary run."""
-        self._joiner, self._boundary, self._membership, self._events = joiner, boundary, membership, events
+        self._context, self._joiner, self._boundary = context, joiner, boundary
+        self._membership, self._events = context.membership, context.events
         self._regroup, self._ended = regroup, ended
 
     def __enter__(self) -> None:
@@ -89,7 +91,7 @@ class StepGuard:
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
         joiner = self._joiner
         step, epoch = joiner.next_step, self._membership.epoch
-        if exc_type is None and joiner.watcher.latest.epoch == epoch:
+        if exc_type is None and self._context.watcher.latest.epoch == epoch:
             try:
                 self._boundary.end_step(step, time.monotonic() - self.started, epoch)
                 joiner.next_step = step + 1
@@ -101,14 +103,14 @@ class StepGuard:
         elif exc_type is not None:
             if not issubclass(exc_type, Exception):
                 return False  # KeyboardInterrupt, SystemExit
-            if not raised_by_a_peer_failure(exc) and joiner.watcher.latest.epoch == epoch:
+            if not raised_by_a_peer_failure(exc) and self._context.watcher.latest.epoch == epoch:
                 self._events.write("step_raised", step=step, epoch=epoch, rank=self._membership.rank,
                                    error=f"{exc_type.__name__}: {str(exc)[:200]}")
-                stop_if_raised_again(joiner.kv, joiner.coordinator, self._membership.rank, step, exc)
+                stop_if_raised_again(self._context.kv, self._context.coordinator, self._membership.rank, step, exc)
                 return False
             self._regroup.note(exc, epoch, self._membership.rank)
             if not joiner.failure_declared(epoch) and \
-                    not self._regroup.after(exc, joiner.watcher, epoch, self._membership.rank, step):
+                    not self._regroup.after(exc, self._context.watcher, epoch, self._membership.rank, step):
                 return False  # no failure was declared: a genuine error in the loop
         self._events.write("step_interrupted", step=step, epoch=epoch,
                            error=f"{exc_type.__name__}: {str(exc)[:200]}" if exc_type else None)
