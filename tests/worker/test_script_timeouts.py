@@ -27,6 +27,16 @@ def groups(monkeypatch):
         groups.destroy()
 
 
+def trainer_sets(timeout, group=None):
+    """What torchtitan's set_pg_timeouts calls: torch.distributed.set_timeout where torch
+    has it (2.14), the private _set_pg_timeout (deprecated from 2.14) before."""
+    (getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout)(timeout, group)
+
+
+TRAINER_CALL = ("torch.distributed.set_timeout" if hasattr(dist, "set_timeout")
+                else "torch.distributed.distributed_c10d._set_pg_timeout")
+
+
 def waits(*process_groups):
     return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in process_groups]
 
@@ -39,14 +49,14 @@ def test_a_longer_timeout_is_kept_at_peerstates_a_shorter_one_lasts_through_refo
     default = dist.distributed_c10d._get_default_group()
     assert waits(default, declared.group) == [30, 30]
 
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=100))  # torchtitan's set_pg_timeouts
+    trainer_sets(datetime.timedelta(seconds=100))
     declared.group.set_timeout(datetime.timedelta(seconds=100))
     assert waits(default, declared.group) == [30, 30]
     [said] = cut  # once per process, naming the call, the group and what it was kept at
-    assert "torch.distributed.distributed_c10d._set_pg_timeout(100s) on process group '0' was kept at 30s" in said, said
+    assert f"{TRAINER_CALL}(100s) on process group '0' was kept at 30s" in said, said
     assert "Raise Job(abort_timeout=...)" in said
 
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=5), declared.group)
+    trainer_sets(datetime.timedelta(seconds=5), declared.group)
     assert waits(default, declared.group) == [30, 5]
     groups.destroy()
     groups.form(kv, 1, rank=0, world_size=1, timeout=10)  # a recovery's re-formation
@@ -66,8 +76,10 @@ def test_a_group_peerstate_did_not_form_gets_what_the_script_asks(groups):
     kv, groups, cut = groups
     groups.form(kv, 0, rank=0, world_size=1, timeout=10)
     own = dist.new_group([0])
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=100), own)
+    trainer_sets(datetime.timedelta(seconds=100), own)
     assert waits(own) == [100] and not cut
     release_pg_timeouts()
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=100))  # released: torch's own again
+    trainer_sets(datetime.timedelta(seconds=100))  # released: torch's own again
     assert waits(dist.distributed_c10d._get_default_group()) == [100]
+    own.set_timeout(datetime.timedelta(seconds=50))  # the method set back still binds its group (torch 2.14)
+    assert waits(own) == [50]

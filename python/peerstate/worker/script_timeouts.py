@@ -18,7 +18,9 @@ from __future__ import annotations
 import datetime
 import functools
 import importlib
+import inspect
 import sys
+import threading
 from typing import Any, Callable, List, Optional, Tuple
 
 from peerstate.worker import torch_private
@@ -54,18 +56,18 @@ def claim_pg_timeouts(groups: ProcessGroups, on_first_cut: Callable[[str], None]
     def function(original: Callable[..., None], call: str) -> Callable[..., None]:
         @functools.wraps(original)
         def set_timeout(timeout: datetime.timedelta, group: Optional[Any] = None) -> None:
-            if setting_own_wait():
+            if setting_own_wait() or _forwarding.depth:
                 return original(timeout, group)
             target = torch_private.default_group() if group is None else group
-            return original(kept(call, timeout, target), group)
+            return _forward(original, kept(call, timeout, target), group)
         return set_timeout
 
     def method(original: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(original)
         def set_timeout(self: Any, timeout: datetime.timedelta) -> None:
-            if setting_own_wait():
+            if setting_own_wait() or _forwarding.depth:
                 return original(self, timeout)
-            return original(self, kept("ProcessGroup.set_timeout", timeout, self))
+            return _forward(original, self, kept("ProcessGroup.set_timeout", timeout, self))
         return set_timeout
 
     for owner, name, original in _present():
@@ -73,6 +75,23 @@ def claim_pg_timeouts(groups: ProcessGroups, on_first_cut: Callable[[str], None]
                    else function(original, f"{owner.__name__}.{name}"))
         wrapper.__wrapped_by_peerstate__ = original
         setattr(owner, name, wrapper)
+
+
+class _Forwarding(threading.local):
+    depth = 0
+
+
+# torch's calls nest (2.14: _set_pg_timeout calls set_timeout, which calls the group's
+# method): only the script's outermost call is the script's, kept once.
+_forwarding = _Forwarding()
+
+
+def _forward(original: Callable[..., None], *args: Any) -> None:
+    _forwarding.depth += 1
+    try:
+        return original(*args)
+    finally:
+        _forwarding.depth -= 1
 
 
 def release_pg_timeouts() -> None:
@@ -88,7 +107,9 @@ def _present() -> List[Tuple[Any, str, Callable[..., Any]]]:
     owners.append((dist.ProcessGroup, "set_timeout"))
     present = []
     for owner, name in owners:
-        found = getattr(owner, name, None)
+        # As stored, not as looked up: from torch 2.14 (its pybind11) a method read off the class
+        # is a plain builtin, which set back on the class would no longer bind `self`.
+        found = inspect.getattr_static(owner, name, None)
         if found is not None:
             present.append((owner, name, getattr(found, "__wrapped_by_peerstate__", found)))
     return present
