@@ -87,10 +87,11 @@ sockets were shut down, fail at once.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Union
 
 from peerstate.control import keys
 from peerstate.control.environment import SCRIPT_DEFAULT_GROUP
@@ -101,12 +102,30 @@ from peerstate.worker.meshes import DeclaredMesh
 from peerstate.worker import torch_private
 
 AFTER_ABORT_WAIT = 1.0  # seconds a gloo wait that starts after an abort may take (ProcessGroups.abort)
-_setting_own_wait = threading.local()  # set while this module sets a timeout (script_timeouts lets it through)
+class _TimeoutCalls(threading.local):
+    depth = 0
 
 
-def setting_own_wait() -> bool:
-    """Whether the calling thread is inside peerstate's own setting of a group's timeout."""
-    return getattr(_setting_own_wait, "active", False)
+_passing = _TimeoutCalls()
+
+
+@contextlib.contextmanager
+def passing_timeout_calls() -> Iterator[None]:
+    """Within it, the calling thread's timeout calls go to torch as they are
+    (``script_timeouts`` keeps only the script's own): peerstate's own setting of a
+    wait, and torch's calls nested in a script's call that was already kept once
+    (torch 2.14's ``_set_pg_timeout`` calls ``set_timeout``, which calls the group's
+    method). Nests."""
+    _passing.depth += 1
+    try:
+        yield
+    finally:
+        _passing.depth -= 1
+
+
+def timeout_calls_pass() -> bool:
+    """Whether the calling thread is inside ``passing_timeout_calls``."""
+    return _passing.depth > 0
 
 
 class Subgroup:
@@ -323,12 +342,9 @@ class ProcessGroups:
             name = torch_private.group_names().get(group)
             if name is not None:
                 self._waits[name] = seconds
-            _setting_own_wait.active = True
-            try:
+            with passing_timeout_calls():
                 torch_private.set_group_timeout(
                     group, datetime.timedelta(seconds=min(seconds, self._asked.get(name, seconds))))
-            finally:
-                _setting_own_wait.active = False
 
     def script_timeout(self, group: Any, seconds: float) -> float:
         """The timeout ``group`` gets when the script sets it to ``seconds`` after

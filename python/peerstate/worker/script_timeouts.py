@@ -20,11 +20,10 @@ import functools
 import importlib
 import inspect
 import sys
-import threading
 from typing import Any, Callable, List, Optional, Tuple
 
 from peerstate.worker import torch_private
-from peerstate.worker.process_groups import ProcessGroups, setting_own_wait
+from peerstate.worker.process_groups import ProcessGroups, passing_timeout_calls, timeout_calls_pass
 
 # The functions (timeout, group=None) a script sets a group's timeout with, where this torch has them.
 _FUNCTIONS = (("torch.distributed", "set_timeout"), ("torch.distributed.distributed_c10d", "set_timeout"),
@@ -56,18 +55,22 @@ def claim_pg_timeouts(groups: ProcessGroups, on_first_cut: Callable[[str], None]
     def function(original: Callable[..., None], call: str) -> Callable[..., None]:
         @functools.wraps(original)
         def set_timeout(timeout: datetime.timedelta, group: Optional[Any] = None) -> None:
-            if setting_own_wait() or _forwarding.depth:
+            if timeout_calls_pass():
                 return original(timeout, group)
             target = torch_private.default_group() if group is None else group
-            return _forward(original, kept(call, timeout, target), group)
+            allowed = kept(call, timeout, target)
+            with passing_timeout_calls():
+                return original(allowed, group)
         return set_timeout
 
     def method(original: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(original)
         def set_timeout(self: Any, timeout: datetime.timedelta) -> None:
-            if setting_own_wait() or _forwarding.depth:
+            if timeout_calls_pass():
                 return original(self, timeout)
-            return _forward(original, self, kept("ProcessGroup.set_timeout", timeout, self))
+            allowed = kept("ProcessGroup.set_timeout", timeout, self)
+            with passing_timeout_calls():
+                return original(self, allowed)
         return set_timeout
 
     for owner, name, original in _present():
@@ -75,23 +78,6 @@ def claim_pg_timeouts(groups: ProcessGroups, on_first_cut: Callable[[str], None]
                    else function(original, f"{owner.__name__}.{name}"))
         wrapper.__wrapped_by_peerstate__ = original
         setattr(owner, name, wrapper)
-
-
-class _Forwarding(threading.local):
-    depth = 0
-
-
-# torch's calls nest (2.14: _set_pg_timeout calls set_timeout, which calls the group's
-# method): only the script's outermost call is the script's, kept once.
-_forwarding = _Forwarding()
-
-
-def _forward(original: Callable[..., None], *args: Any) -> None:
-    _forwarding.depth += 1
-    try:
-        return original(*args)
-    finally:
-        _forwarding.depth -= 1
 
 
 def release_pg_timeouts() -> None:
