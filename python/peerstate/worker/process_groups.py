@@ -102,6 +102,8 @@ from peerstate.worker.meshes import DeclaredMesh
 from peerstate.worker import torch_private
 
 AFTER_ABORT_WAIT = 1.0  # seconds a gloo wait that starts after an abort may take (ProcessGroups.abort)
+
+
 class _TimeoutCalls(threading.local):
     depth = 0
 
