@@ -219,6 +219,7 @@ def _counts(nodes) -> Dict[str, int]:
 
 # -- a member process: the old all-to-all protocol (baseline) -------------------------------------
 def run_old_members(args) -> None:
+    from peerstate.control.node_rendezvous import node_rendezvous_store
     from peerstate.tools.simulation import NcclRendezvous, SimulatedChannel, served_by
 
     world = args.nnodes * NPROC
@@ -227,7 +228,8 @@ def run_old_members(args) -> None:
     threads = 16
     with ThreadPoolExecutor(threads) as pool:
         stores = list(pool.map(lambda _: _store(args.store), range(threads)))
-    rendezvous = [NcclRendezvous(kv.rendezvous_store()) for kv in stores]
+    # torch's default: each rank reads the job's store itself (no node channel to share reads through)
+    rendezvous = [NcclRendezvous(node_rendezvous_store(kv.rendezvous_store(), None, 300.0)) for kv in stores]
     reports = {r: SimulatedChannel(r // NPROC, NPROC, served, 100).report(r, f"n{r // NPROC}.{r % NPROC}").encode()
                for r in ranks}
     names = [f"epoch/1/report/{r}" for r in range(world)]
@@ -246,9 +248,9 @@ def run_old_members(args) -> None:
             kv.wait(names, timeout=300.0)
             kv.get_many(names)
         for rank in mine:  # and forms the epoch's group, as ours does
-            rendezvous[index].announce(1, rank, world, 300.0)
+            rendezvous[index].announce(1, rank, world)
         for rank in mine:
-            rendezvous[index].join(1, rank, world, 300.0)
+            rendezvous[index].join(1, rank, world)
         with lock:
             done.append(time.time())
 

@@ -79,24 +79,37 @@ def test_simulated_workers_form_the_epochs_group_and_publish_their_marks_at_a_co
         assert float(kv.get(keys.recovery_seconds(1))) > 0
         assert kv.add(keys.marks_done(1), 0) == world
         assert all(kv.get(keys.node_marks(1, n.node)) for n in nodes)
-        # the rendezvous: rank 0 sets the unique id (1 request), every other rank waits for and reads it (2)
-        assert rendezvous == 1 + 2 * (world - 1)
+        # the rendezvous: rank 0 sets the unique id (1 request); one member of each node waits for and
+        # reads it (2), for the node
+        assert rendezvous == 1 + 2 * nnodes
         per_rank[nnodes] = workers / world
     # a DDP layout per node, the replacement's few requests; its marks go through the agents
     assert per_rank[16] < per_rank[4] <= 2, per_rank
 
 
-def test_the_nccl_rendezvous_above_128_ranks_reads_one_unique_id_per_root():
+def test_the_nccl_rendezvous_above_128_ranks_reads_one_unique_id_per_root_once_per_node():
+    from peerstate.control.memory_store import InMemoryKeyValueStore
+    from peerstate.control.node_rendezvous import node_rendezvous_store
+
     kv = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=30)
     world = 384  # three roots: ranks 0, 128 and 256
-    rendezvous = NcclRendezvous(kv.rendezvous_store())
+
+    def rendezvous(channel=None, timeout=10.0):
+        return NcclRendezvous(node_rendezvous_store(kv.rendezvous_store(), channel, timeout))
+
+    roots = rendezvous()
     for rank in range(world):
-        rendezvous.announce(2, rank, world, 10.0)
-    assert rendezvous.count.requests == 3
-    joiner = NcclRendezvous(kv.rendezvous_store())
-    joiner.join(2, 5, world, 10.0)
-    assert joiner.count.requests == 2  # a wait for the three ids, one read of all
-    assert joiner.count.bytes_received == 3 * NCCL_UNIQUE_ID_BYTES
-    late = NcclRendezvous(kv.rendezvous_store())
+        roots.announce(2, rank, world)
+    assert roots.count.requests == 3
+    alone = rendezvous()  # torch's default: a rank reads for itself
+    alone.join(2, 5, world)
+    alone.join(2, 6, world)
+    assert alone.count.requests == 4  # for each rank, a wait for the three ids and one read of all
+    assert alone.count.bytes_received == 2 * 3 * NCCL_UNIQUE_ID_BYTES
+    node = rendezvous(InMemoryKeyValueStore())  # a node's members, sharing their node channel
+    for rank in range(8, 16):
+        node.join(2, rank, world)
+    assert node.count.requests == 2 and node.count.bytes_received == 3 * NCCL_UNIQUE_ID_BYTES
+    late = rendezvous(InMemoryKeyValueStore(), timeout=0.5)
     with pytest.raises(Exception):  # epoch 3's roots never announced: the read waits, then times out
-        late.join(3, 5, world, 0.5)
+        late.join(3, 5, world)

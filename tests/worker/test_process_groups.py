@@ -87,10 +87,11 @@ def test_a_builders_meshes_are_formed_again_in_every_epoch_and_a_builder_that_ch
 
 
 @contextlib.contextmanager
-def _peer(kv, epoch, body, store="kv", prelude=""):
+def _peer(kv, epoch, body, store="kv", prelude="", form_args=""):
     """A second process, rank 1 of a 2-rank gloo group of ``epoch`` formed through
-    ``store`` (an expression; ``prelude`` may define it), that then runs ``body``;
-    killed, if still running, when the block ends."""
+    ``store`` (an expression; ``prelude`` may define it; ``form_args`` are more of
+    form()'s arguments), that then runs ``body``; killed, if still running, when the
+    block ends."""
     import subprocess
     import sys
 
@@ -102,7 +103,7 @@ kv = TorchKeyValueStore("127.0.0.1", int(sys.argv[1]), timeout=30)
 kv.set("peer/imported", b"1")  # see _meet_late
 {prelude}
 groups = ProcessGroups("gloo")
-groups.form({store}, {epoch}, rank=1, world_size=2, timeout=30)
+groups.form({store}, {epoch}, rank=1, world_size=2, timeout=30{form_args})
 {body}
 """
     peer = subprocess.Popen([sys.executable, "-c", script, str(kv.port)], stdout=subprocess.PIPE, text=True)
@@ -139,6 +140,68 @@ groups.destroy()""") as peer:
         groups.abort(2)  # a newer epoch's abort still goes through
         with pytest.raises(RuntimeError):
             dist.all_reduce(torch.tensor([1]))
+
+
+def test_the_members_of_a_node_form_their_groups_reading_the_rendezvous_once_through_its_channel(groups):
+    # Both ranks on one node: what gloo reads in the rendezvous (the other rank's address),
+    # for the default group and a declared one, comes through the node channel.
+    kv, groups = groups
+    channel = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=30)
+    declared = Subgroup([0, 1], {})
+    groups.add(declared, timeout=30)
+    with _peer(kv, 2, """
+declared = Subgroup([0, 1], {})
+groups.add(declared, timeout=30)
+total = torch.tensor([2])
+dist.all_reduce(total, group=declared.group)
+print(int(total), flush=True)
+groups.destroy()""", prelude=f"""
+from peerstate.worker.process_groups import Subgroup
+channel = TorchKeyValueStore("127.0.0.1", {channel.port}, timeout=30)""", form_args=", channel=channel") as peer:
+        groups.form(kv, 2, rank=0, world_size=2, timeout=30, channel=channel)
+        total = torch.tensor([1])
+        dist.all_reduce(total, group=declared.group)
+        assert int(total) == 3
+        assert peer.communicate(timeout=60)[0].split() == ["3"]
+    from peerstate.control import keys
+
+    held = channel.torch_store.list_keys()
+    claimed = {k[len(keys.rendezvous_claim("")):] for k in held if k.startswith(keys.rendezvous_claim(""))}
+    shared = {k[len(keys.rendezvous_read("")):] for k in held if k.startswith(keys.rendezvous_read(""))} - \
+        {keys.rendezvous_claim("")[len(keys.rendezvous_read("")):] + k for k in claimed}
+    assert claimed and shared == claimed, held  # every read was made once for the node, and given to it
+    assert len(shared) == 4, held  # both ranks' addresses in the default group and in the subgroup
+
+
+def test_an_abort_ends_a_rendezvous_that_reads_through_the_node_channel(groups):
+    import threading
+    import time
+
+    from peerstate.control import keys
+
+    kv, groups = groups
+    channel = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=30)
+    outcome = []
+
+    def form():  # its peer never comes
+        try:
+            groups.form(kv, 1, rank=0, world_size=2, timeout=60, channel=channel)
+        except AbortedError as error:
+            outcome.append(error)
+
+    former = threading.Thread(target=form)
+    former.start()
+    peer_address = None  # gloo's key of rank 1's address: rank 0 claimed it, for the node, and waits for it
+    deadline = time.monotonic() + 60
+    while peer_address is None:
+        claims = [k for k in channel.torch_store.list_keys() if k.startswith(keys.rendezvous_claim(""))]
+        peer_address = next((k[len(keys.rendezvous_claim("")):] for k in claims if k.endswith("/1")), None)
+        assert time.monotonic() < deadline and former.is_alive(), "the rendezvous read nothing through the channel"
+        time.sleep(0.01)
+    groups.abort(2)
+    former.join(30)
+    assert not former.is_alive() and outcome, "the abort did not end the rendezvous"
+    assert channel.get(keys.rendezvous_read(peer_address)) is None  # it ended the read, not a peer
 
 
 def test_gloo_collectives_time_out_after_the_collective_timeout(groups):

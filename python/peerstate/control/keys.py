@@ -52,6 +52,10 @@ workers: they never read the job's store for the recovery protocol)
     ``released/{pid}``              set by that replacement once it no longer reads it (then it is killed)
     ``findings``                    counter of what this node's workers found that is not bitwise
     ``finding/{n}``                 finding n: its rank, worker, step and cause (``control.findings``)
+    ``rendezvous/{read}``           what a member read from the job's store for the process groups'
+                                    rendezvous, for the node's other members (``control.node_rendezvous``;
+                                    ``read`` is the key, or a digest of the keys read together)
+    ``rendezvous/claim/{read}``     the member reading it for the node (compare_set; given back if it fails)
 
 Tools
     ``inject/{index}``              the agent that injected fault ``index`` (injected once)
@@ -148,6 +152,16 @@ def recovery_seconds(epoch: int) -> str:
 
 def process_group_prefix(epoch: int) -> str:
     return f"pg/{epoch}/"
+
+
+def rendezvous_read(read: str) -> str:
+    """In the node channel: the values of a rendezvous read, for the node's other members."""
+    return f"rendezvous/{read}"
+
+
+def rendezvous_claim(read: str) -> str:
+    """In the node channel: which member of the node makes that read in the job's store."""
+    return f"rendezvous/claim/{read}"
 
 
 # The disk checkpoint a new job resumes from, as the first member to look found it ("" for none).

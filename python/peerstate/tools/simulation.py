@@ -8,8 +8,9 @@ agent does. Its ``SimulatedMembers`` make the job-store requests its workers
 make in a recovery, with the workers' own code (``DistributedWrappers``,
 ``reserve_replicas``, ``publish_size``, ``RecoveryReport``), and the requests
 torch's ``ProcessGroupNCCL`` makes to form the epoch's communicator
-(``NcclRendezvous``), with torch's own TCPStore client. What is modelled, not
-run:
+(``NcclRendezvous``), through the store a worker hands torch (its reads made
+once per node, ``control.node_rendezvous``) and torch's own TCPStore client.
+What is modelled, not run:
 - the node channel is an in-process store (``SimulatedChannel``), and the
   members on it answer at once: when the relay copies a plan into it, each
   member of the node writes the report a worker writes (what it holds if it
@@ -34,11 +35,11 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from peerstate.control import keys
-from peerstate.control.kvstore import RequestCount
 from peerstate.control.stores import open_store
 from peerstate.control.memory_store import InMemoryKeyValueStore
 from peerstate.control.messages import MemberReport, RecoveryPlan, StateLayout
 from peerstate.control.node_control import NodeControl
+from peerstate.control.node_rendezvous import node_rendezvous_store
 from peerstate.control.planning import node_of_worker
 from peerstate.control.timeline import EventLog
 from peerstate.replication.worker_keys import WorkerKeys
@@ -201,50 +202,56 @@ NCCL_UNIQUE_ID_BYTES = 128
 
 
 class NcclRendezvous:
-    """The job-store requests torch's ``ProcessGroupNCCL`` makes to form one
-    communicator (the default group of an epoch, ``ProcessGroups.form``), made with
-    torch's own TCPStore client ``store`` (a ``rendezvous_store()``) and counted as
-    that client sends them. After ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``
-    (torch 2.6 and later, built with NCCL 2.23 or later, as 2.13's wheels are):
+    """The store requests torch's ``ProcessGroupNCCL`` makes to form one communicator
+    (the default group of an epoch, ``ProcessGroups.form``), made through ``store``,
+    the store a worker hands torch (``control.node_rendezvous``: a node reads each
+    set of ids once; ``count`` is what it sent to the job's store). After
+    ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp`` (torch 2.6 and later, built
+    with NCCL 2.23 or later, as 2.13's wheels are):
     - up to ``RANKS_PER_ROOT`` ranks, ``broadcastUniqueNCCLID``: rank 0 sets the
-      unique id (one request), every other rank gets it (TCPStore's ``get`` is a
-      wait and a read: two);
+      unique id, every other rank gets it;
     - above, ``allgatherUniqueNCCLIDs``: one root per ``RANKS_PER_ROOT`` ranks sets
-      its id, and every rank reads all of them (``multiGet``: a wait and a read).
+      its id, and every rank reads all of them (``multiGet``).
     ``init_process_group`` adds no store barrier unless ``TORCH_DIST_INIT_BARRIER=1``.
     gloo's rendezvous (every rank reads every other's address: N^2 reads) is not
     made here: it serves CPU jobs, not jobs of thousands of ranks."""
 
     def __init__(self, store) -> None:
         self.store = store
-        self.count = RequestCount()
+        self.count = store.count
+        self._ids: Tuple[Tuple[int, int], List[str]] = ((-1, 0), [])
 
-    def announce(self, epoch: int, rank: int, world_size: int, timeout: float) -> None:
+    def announce(self, epoch: int, rank: int, world_size: int) -> None:
         """A root rank's part: publish its unique id (nothing for the others)."""
         name = self._root_key(rank, world_size)
         if name is not None:
-            unique_id = os.urandom(NCCL_UNIQUE_ID_BYTES)
-            self._prefixed(epoch, timeout).set(name, unique_id)
-            self.count.sent(1, name, unique_id)
+            self.store.set(self._key(epoch, name), os.urandom(NCCL_UNIQUE_ID_BYTES))
 
-    def join(self, epoch: int, rank: int, world_size: int, timeout: float) -> None:
+    def join(self, epoch: int, rank: int, world_size: int) -> None:
         """Every other rank's part: wait for and read the ids it needs (blocks until the
-        roots announced them)."""
+        roots announced them, or the store's timeout)."""
         roots = math.ceil(world_size / RANKS_PER_ROOT)
-        prefixed = self._prefixed(epoch, timeout)
         if roots == 1:
             if rank != 0:
-                self.count.sent(2, "0", "0")
-                self.count.received([prefixed.get("0")])
+                self.store.get(self._key(epoch, "0"))
             return
-        names = [f"UniqueNCCLID:{r}" for r in range(roots)]
-        self.count.sent(2, *names, *names)
-        self.count.received(prefixed.multi_get(names))
+        if self._ids[0] != (epoch, roots):  # the names, once (torch makes them in C++)
+            self._ids = ((epoch, roots), [self._key(epoch, f"UniqueNCCLID:{r}") for r in range(roots)])
+        self.store.multi_get(self._ids[1])
 
-    def form(self, epoch: int, rank: int, world_size: int, timeout: float) -> None:
+    def form(self, epoch: int, rank: int, world_size: int) -> None:
         """One rank's whole rendezvous."""
-        self.announce(epoch, rank, world_size, timeout)
-        self.join(epoch, rank, world_size, timeout)
+        self.announce(epoch, rank, world_size)
+        self.join(epoch, rank, world_size)
+
+    @staticmethod
+    def _key(epoch: int, name: str) -> str:
+        """The key torch's PrefixStores make of ``name``: the epoch's (``ProcessGroups.form``), the
+        default group's ("0"), its device's. Called here without them: through torch's PrefixStore
+        each call would cross from C++ into Python and back, two more takes of the interpreter lock,
+        which a real worker takes at once and a process packed with a hundred nodes' threads waits
+        seconds for (an artefact of the packing)."""
+        return f"{keys.process_group_prefix(epoch)}/0//cuda//{name}"
 
     @staticmethod
     def _root_key(rank: int, world_size: int) -> Optional[str]:
@@ -253,15 +260,6 @@ class NcclRendezvous:
             return "0" if rank == 0 else None
         first = [r * world_size // roots for r in range(roots)]  # the roots, spread evenly
         return f"UniqueNCCLID:{first.index(rank)}" if rank in first else None
-
-    def _prefixed(self, epoch: int, timeout: float):
-        import datetime
-
-        import torch.distributed as dist
-
-        prefixed = dist.PrefixStore(f"{keys.process_group_prefix(epoch)}0/cuda/", self.store)  # group "0", its device
-        prefixed.set_timeout(datetime.timedelta(seconds=timeout))
-        return prefixed
 
 
 class _BucketLayout:
@@ -296,7 +294,7 @@ class SimulatedMembers:
     def __init__(self, store: str, channel: SimulatedChannel, world_size: int, placement: BuddyPlacement,
                  timeout: float, state_bytes: int = 1 << 30) -> None:
         self.kv = open_store(store, timeout=timeout)
-        self.rendezvous = NcclRendezvous(self.kv.rendezvous_store())
+        self.rendezvous = NcclRendezvous(node_rendezvous_store(self.kv.rendezvous_store(), channel, timeout))
         self.channel, self.world_size, self.placement, self.timeout = channel, world_size, placement, timeout
         self.state_bytes = state_bytes
         self.ready: Dict[int, float] = {}  # epoch -> when every member's group was formed
@@ -338,9 +336,9 @@ class SimulatedMembers:
         for rank in kept:  # with its instructions (EpochJoiner.join)
             self._wrappers[rank].publish_layouts(epoch, rank, kept)
         for rank in self.channel.members:  # the roots first: one thread takes the node's members in turn
-            self.rendezvous.announce(epoch, rank, self.world_size, self.timeout)
+            self.rendezvous.announce(epoch, rank, self.world_size)
         for rank in self.channel.members:
-            self.rendezvous.join(epoch, rank, self.world_size, self.timeout)
+            self.rendezvous.join(epoch, rank, self.world_size)
             self._reports[rank].mark("re-form")
             if rank in fresh:  # after its restore: the script wraps its model (Job.ddp), reserves replicas
                 self._wrappers[rank].published_layout(epoch, 0, self.timeout)

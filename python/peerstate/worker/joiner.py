@@ -182,7 +182,7 @@ class EpochJoiner:
         connect = self.recovery_connect_timeout if epoch > 0 else None
         try:
             self.groups.form(self.context.kv, epoch, rank, self.context.world_size, self.context.join_timeout,
-                             connect_timeout=connect)
+                             connect_timeout=connect, channel=self.context.channel)
         except AbortedError:
             raise Superseded() from None
         except PeerstateTimeoutError as error:

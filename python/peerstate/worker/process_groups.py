@@ -2,7 +2,7 @@
 
 Forming: ``torch.distributed.init_process_group`` over the job's TCPStore under
 the prefix ``keys.process_group_prefix(epoch)``, so a re-formed group never reads the keys of the
-group it replaces; then every declared ``Subgroup`` (``Job.new_group``, with
+group it replaces, what it reads read once per node (``control.node_rendezvous``); then every declared ``Subgroup`` (``Job.new_group``, with
 ``torch.distributed.new_group``) and ``DeclaredMesh`` (``Job.device_mesh``, see
 ``meshes``), in declaration order. Every epoch creates the same groups in the same
 order, so they get the same names, which is what a ``DeviceMesh`` finds them by.
@@ -95,6 +95,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 from peerstate.control import keys
 from peerstate.control.environment import SCRIPT_DEFAULT_GROUP
+from peerstate.control.node_rendezvous import node_rendezvous_store
 from peerstate.errors import AbortedError, InvalidArgumentError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
 from peerstate.worker.gloo_rendezvous import FormationWatch, end_connect_waits, shutdown, socket_inodes
@@ -187,16 +188,21 @@ class ProcessGroups:
         self._forming_since: Optional[Set[str]] = None  # the sockets open before form() began, while it runs
         self._forming_size, self._forming_epoch = 0, -1
         self._rendezvous: Any = None       # the rendezvous store while form() runs
+        # The epoch's rendezvous store, until destroy(): torch holds a store implemented in Python
+        # only by its C++ half, which cannot call Python once nothing holds the Python object.
+        self._store: Any = None
         self._abort_epoch = -1             # the newest epoch that asked for an abort
         self._waits: Dict[str, float] = {}  # gloo: the wait this object gave each group, by group name
         self._asked: Dict[str, float] = {}  # the waits the script set itself (script_timeout), by group name
         self._lock = threading.Lock()
 
     def form(self, kv, epoch: int, rank: int, world_size: int, timeout: float,
-             connect_timeout: Optional[float] = None) -> None:
+             connect_timeout: Optional[float] = None, channel=None) -> None:
         """Join the epoch's group, then form the declared subgroups and meshes, through the
         job's store ``kv`` (a KeyValueStore; blocks until every rank joins, ``timeout``,
-        or an abort for a newer epoch: then AbortedError). With gloo, a rendezvous that
+        or an abort for a newer epoch: then AbortedError). What the rendezvous reads,
+        each node reads once, shared through its node channel ``channel``
+        (``control.node_rendezvous``). With gloo, a rendezvous that
         completes no group for the connect timeout (``connect_timeout``, or the one
         this object was made with) is given up: PeerstateTimeoutError."""
         import torch.distributed as dist
@@ -204,11 +210,14 @@ class ProcessGroups:
         self.destroy()
         before = socket_inodes()
         rendezvous = kv.rendezvous_store()
+        if channel is not None:
+            rendezvous = node_rendezvous_store(rendezvous, channel.clone(), timeout)
         with self._lock:
             if self._abort_epoch > epoch:
                 raise AbortedError(f"epoch {self._abort_epoch} began before the group of epoch {epoch} formed")
             self._forming = socket_inodes() - before  # a TCPStore clone's connection, shut by an abort
             self._rendezvous = rendezvous              # an etcd one is interrupted instead
+            self._store = rendezvous
             self._forming_since, self._forming_size, self._forming_epoch = before, world_size, epoch
         # torch names the default group after a per-process counter, reset only when a
         # formed group is destroyed: a rendezvous aborted part way leaves it counted up,
@@ -413,6 +422,7 @@ class ProcessGroups:
                 torch_private.abort_all_groups()
             except Exception:  # noqa: BLE001 - fall back to the plain teardown
                 dist.destroy_process_group()
+        self._store = None
 
 
 def claim_default_group(refuse: Callable[[str], Exception]) -> None:
