@@ -583,3 +583,30 @@ def test_after_an_abort_a_gloo_wait_gives_up_within_a_second(groups):
     assert [b.options._timeout for b in backends] == [datetime.timedelta(seconds=30)] * 2
     groups.abort(1)
     assert [b.options._timeout for b in backends] == [datetime.timedelta(seconds=AFTER_ABORT_WAIT)] * 2
+
+
+def test_a_subgroup_declared_after_its_epoch_formed_through_etcd_forms_too(tmp_path, monkeypatch):
+    # etcd's rendezvous store is implemented in Python: torch holds it by its C++ half only,
+    # which cannot call Python once nothing holds the Python object (then torch's "Not
+    # implemented" from its Python-store trampoline). The groups keep the epoch's store.
+    import gc
+
+    from helpers.etcd import EtcdCluster
+
+    from peerstate.control.etcd_store import EtcdKeyValueStore
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    cluster = EtcdCluster(tmp_path)
+    groups = ProcessGroups("gloo")
+    try:
+        kv = EtcdKeyValueStore(cluster.endpoints, "/peerstate/late-subgroup/")
+        groups.form(kv, 0, rank=0, world_size=1, timeout=20)
+        gc.collect()
+        declared = Subgroup([0], {})
+        groups.add(declared, timeout=20)
+        total = torch.tensor([4])
+        dist.all_reduce(total, group=declared.group)
+        assert int(total) == 4
+    finally:
+        groups.destroy()
+        cluster.close()
