@@ -9,8 +9,9 @@ layout: 8 shares, a buddy on the next node; one DDP wrapper), in the same run:
   job's store with the worker's own code (``SimulatedMembers``: DDP layouts,
   replica sizes, recovery marks through the node channel), and each worker
   makes the requests torch's ProcessGroupNCCL makes to form the epoch's
-  communicator (``NcclRendezvous``: the unique ids, with torch's TCPStore
-  client). One real TCPStore; every node has its own connections; the nodes
+  communicator (``NcclRendezvous``: the unique ids, through the store a worker
+  hands torch, which reads them once per node, ``control.node_rendezvous``,
+  with torch's TCPStore client). One real TCPStore; every node has its own connections; the nodes
   are multiplexed on threads in ``--processes`` processes, by default one per
   128 nodes, 2 to 16, plus one for the plan writer's node alone
   (``_writer_apart``). One rank is failed: its node's agent writes the plan,
@@ -25,8 +26,8 @@ layout: 8 shares, a buddy on the next node; one DDP wrapper), in the same run:
 - baseline: the protocol before the node agents (the all-to-all of
   ``EpochJoiner`` up to commit be51987): every member waits for and reads a
   plan that lists all N members, publishes its report, waits for and reads all
-  N reports, then forms the group as ours do. Its N members run on threads
-  over the same store.
+  N reports, then forms the group as torch does by default (each rank reads
+  the ids itself). Its N members run on threads over the same store.
 - steady state: the store requests per second of leases and watchers, from
   real agent ticks (ours: ring window; baseline: every other node's lease,
   dead and done keys each tick, plus a worker's watcher wait each second). A
