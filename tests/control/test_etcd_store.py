@@ -160,3 +160,15 @@ def test_a_tls_cluster_that_asks_for_client_certificates(tmp_path):
                 EtcdKeyValueStore.for_job(cluster.url, "tls", tls=anonymous).get("owner")
     finally:
         cluster.close()
+
+
+def test_a_clone_of_the_rendezvous_store_is_a_connection_of_its_own_that_torch_can_keep(cluster):
+    import gc
+
+    import torch.distributed as dist
+
+    store = EtcdKeyValueStore(cluster.endpoints, "/peerstate/clone/").rendezvous_store()
+    prefixed = dist.PrefixStore("g/", store.clone())  # as shrink_group does: torch keeps only the C++ half
+    gc.collect()
+    prefixed.set("k", b"v")
+    assert store.get("g//k") == b"v" and prefixed.get("k") == b"v"  # PrefixStore joins with "/"

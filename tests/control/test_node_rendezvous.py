@@ -144,3 +144,16 @@ def _digest(names):
     import hashlib
 
     return hashlib.sha256("\n".join(names).encode()).hexdigest()
+
+
+def test_a_clone_reads_through_the_same_node_counts_into_the_same_count_and_outlives_its_python_name(stores):
+    import gc
+
+    job, channel = stores
+    member = _member(job, channel)
+    prefixed = dist.PrefixStore("g", member.clone())  # as shrink_group does: torch keeps only the C++ half
+    gc.collect()
+    job.set("g/k", b"v")
+    assert prefixed.get("k") == b"v"  # read through the node: the value is in the channel now
+    assert channel.get(keys.rendezvous_read("g/k")) is not None
+    assert member.count.requests == 2

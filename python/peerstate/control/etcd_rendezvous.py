@@ -33,6 +33,13 @@ def _define():
             super().__init__()
             self.kv = kv
             self.wait_timeout = timeout
+            self._clones: List = []
+
+        def clone(self):
+            """A connection of its own (torch's ``shrink_group`` clones its group's store)."""
+            twin = _TYPE(self.kv.clone(), self.wait_timeout)
+            self._clones.append(twin)  # torch holds it by its C++ half only, which needs the Python object
+            return twin
 
         def set(self, key: str, value) -> None:
             self.kv.set(key, _bytes(value))
