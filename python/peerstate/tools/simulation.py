@@ -247,10 +247,9 @@ class NcclRendezvous:
     @staticmethod
     def _key(epoch: int, name: str) -> str:
         """The key torch's PrefixStores make of ``name``: the epoch's (``ProcessGroups.form``), the
-        default group's ("0"), its device's. Called here without them: through torch's PrefixStore
-        each call would cross from C++ into Python and back, two more takes of the interpreter lock,
-        which a real worker takes at once and a process packed with a hundred nodes' threads waits
-        seconds for (an artefact of the packing)."""
+        default group's ("0"), its device's. The store is called with it directly, as the innermost
+        PrefixStore calls it: the same store code, without a crossing from C++ back into Python per
+        call, which a process packed with a hundred nodes' threads pays for in interpreter-lock waits."""
         return f"{keys.process_group_prefix(epoch)}/0//cuda//{name}"
 
     @staticmethod
