@@ -11,8 +11,8 @@ layout: 8 shares, a buddy on the next node; one DDP wrapper), in the same run:
   makes the requests torch's ProcessGroupNCCL makes to form the epoch's
   communicator (``NcclRendezvous``: the unique ids, through the store a worker
   hands torch, which reads them once per node, ``control.node_rendezvous``,
-  with torch's TCPStore client). One real TCPStore; every node has its own connections; the nodes
-  are multiplexed on threads in ``--processes`` processes, by default one per
+  with torch's TCPStore client). One real TCPStore; every node has its own
+  connections; the nodes are multiplexed on threads in ``--processes`` processes, by default one per
   128 nodes, 2 to 16, plus one for the plan writer's node alone
   (``_writer_apart``). One rank is failed: its node's agent writes the plan,
   every node reports once, the plan writer writes one entry per node, every

@@ -118,7 +118,7 @@ def _define():
             self.store.set_timeout(timeout)
 
         def clone(self):
-            """Connections of its own to both stores (gloo's subgroups ask for one); one count."""
+            """Connections of its own to both stores (torch's ``shrink_group`` asks for one); one count."""
             twin = node_rendezvous_store(self.store.clone(), self.channel.clone() if self.channel else None,
                                          self.wait_timeout)
             twin.count = self.count
