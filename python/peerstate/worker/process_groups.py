@@ -4,8 +4,9 @@ Forming: ``torch.distributed.init_process_group`` over the job's TCPStore under
 the prefix ``keys.process_group_prefix(epoch)``, so a re-formed group never reads the keys of the
 group it replaces (what it reads, each node reads once: ``control.node_rendezvous``);
 then every declared ``Subgroup`` (``Job.new_group``, with ``torch.distributed.new_group``)
-and ``DeclaredMesh`` (``Job.device_mesh``, see ``meshes``), in declaration order. Every epoch creates the same groups in the same
-order, so they get the same names, which is what a ``DeviceMesh`` finds them by.
+and ``DeclaredMesh`` (``Job.device_mesh``, see ``meshes``), in declaration order.
+Every epoch creates the same groups in the same order, so they get the same names,
+which is what a ``DeviceMesh`` finds them by.
 
 Aborting, so that a training loop blocked in a collective fails at once:
 - NCCL: ``ProcessGroup.abort()`` (``ncclCommAbort``) of every group, inside
