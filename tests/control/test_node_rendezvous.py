@@ -133,11 +133,11 @@ def test_a_member_waiting_for_the_claimant_takes_over_when_the_claimant_fails(st
 
 def test_a_read_that_no_member_can_make_times_out_with_torchs_error(stores):
     job, channel = stores
-    claimant, waiter = _member(job, channel, timeout=30), _member(job, channel, timeout=0.5)
+    waiter = _member(job, channel, timeout=0.5)
     channel.compare_set(keys.rendezvous_claim("pg/9/never"), b"", b"someone else")  # a claimant that hangs
     with pytest.raises(dist.DistStoreError, match="another worker of this node"):
         waiter.get("pg/9/never")
-    assert claimant.count.requests == 0 and waiter.count.requests == 0
+    assert waiter.count.requests == 0  # it left the read to the claimant
 
 
 def _digest(names):
