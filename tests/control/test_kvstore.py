@@ -42,6 +42,12 @@ def test_get_set_and_missing_keys(kv):
     assert kv.get_many(["a", "b"]) == [b"1", None]
 
 
+def test_delete_many_removes_the_keys_and_passes_over_missing_ones(kv):
+    kv.set_many([("a", b"1"), ("b", b"2"), ("c", b"3")])
+    kv.delete_many(["a", "never", "c"])
+    assert kv.clone().get_many(["a", "b", "c"]) == [None, b"2", None]
+
+
 def test_add_and_compare_set_are_atomic_across_clients(kv):
     clients = [kv.clone() for _ in range(4)]
     winners = []

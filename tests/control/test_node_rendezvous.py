@@ -65,6 +65,9 @@ def test_a_nodes_members_read_a_set_of_keys_from_the_job_store_once(stores):
     assert reads == [0] * 7 + [2], reads  # one multi_get (TCPStore's wait and read) for the node
     assert sum(m.count.bytes_received for m in members) == sum(len(v) for v in values)
     assert roots.count.requests == len(IDS)  # the writes went to the job's store, one each
+    for member in members:  # the epoch's groups are gone: the node's copies go too
+        member.forget()
+    assert [k for k in channel.torch_store.list_keys() if k.startswith(keys.rendezvous_read(""))] == []
 
 
 def test_without_a_channel_every_member_reads_for_itself(stores):

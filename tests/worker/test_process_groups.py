@@ -144,7 +144,10 @@ groups.destroy()""") as peer:
 
 def test_the_members_of_a_node_form_their_groups_reading_the_rendezvous_once_through_its_channel(groups):
     # Both ranks on one node: what gloo reads in the rendezvous (the other rank's address),
-    # for the default group and a declared one, comes through the node channel.
+    # for the default group and a declared one, comes through the node channel, and goes
+    # from it once both ranks' groups are gone.
+    from peerstate.control import keys
+
     kv, groups = groups
     channel = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=30)
     declared = Subgroup([0, 1], {})
@@ -155,6 +158,7 @@ groups.add(declared, timeout=30)
 total = torch.tensor([2])
 dist.all_reduce(total, group=declared.group)
 print(int(total), flush=True)
+kv.wait(["test/looked"], timeout=60)
 groups.destroy()""", prelude=f"""
 from peerstate.worker.process_groups import Subgroup
 channel = TorchKeyValueStore("127.0.0.1", {channel.port}, timeout=30)""", form_args=", channel=channel") as peer:
@@ -162,15 +166,18 @@ channel = TorchKeyValueStore("127.0.0.1", {channel.port}, timeout=30)""", form_a
         total = torch.tensor([1])
         dist.all_reduce(total, group=declared.group)
         assert int(total) == 3
-        assert peer.communicate(timeout=60)[0].split() == ["3"]
-    from peerstate.control import keys
-
-    held = channel.torch_store.list_keys()
+        assert peer.stdout.readline().strip() == "3"
+        held = channel.torch_store.list_keys()
+        kv.set("test/looked", b"1")
+        peer.communicate(timeout=60)
+        assert peer.returncode == 0
     claimed = {k[len(keys.rendezvous_claim("")):] for k in held if k.startswith(keys.rendezvous_claim(""))}
     shared = {k[len(keys.rendezvous_read("")):] for k in held if k.startswith(keys.rendezvous_read(""))} - \
         {keys.rendezvous_claim("")[len(keys.rendezvous_read("")):] + k for k in claimed}
     assert claimed and shared == claimed, held  # every read was made once for the node, and given to it
     assert len(shared) == 4, held  # both ranks' addresses in the default group and in the subgroup
+    groups.destroy()  # the peer destroyed its own before it exited: the node's copies are gone
+    assert channel.torch_store.list_keys() == []
 
 
 def test_an_abort_ends_a_rendezvous_that_reads_through_the_node_channel(groups):

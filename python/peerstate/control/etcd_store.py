@@ -187,6 +187,10 @@ class EtcdKeyValueStore(KeyValueStore):
     def append(self, key: str, value: bytes) -> None:
         self._update(key, lambda current: (current or b"") + value)
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self.delete(key)
+
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         found, revision = self._read(list(keys))

@@ -85,6 +85,10 @@ class KeyValueStore:
     def append(self, key: str, value: bytes) -> None:
         raise NotImplementedError
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove the keys (one that does not exist is no error)."""
+        raise NotImplementedError
+
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         """Block until every key exists; TimeoutError after ``timeout`` seconds."""
         raise NotImplementedError
@@ -241,6 +245,11 @@ class TorchKeyValueStore(KeyValueStore):
     def append(self, key: str, value: bytes) -> None:
         self.count.sent(1, key, value)
         self.torch_store.append(key, value)
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        self.count.sent(len(keys), *keys)  # TCPStore deletes one key a request
+        for key in keys:
+            self.torch_store.delete_key(key)
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         self.count.sent(1, *keys)

@@ -57,6 +57,11 @@ class InMemoryKeyValueStore(KeyValueStore):
             self._data[key] = self._data.get(key, b"") + bytes(value)
             self._changed.notify_all()
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        with self._changed:
+            for key in keys:
+                self._data.pop(key, None)
+
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with self._changed:

@@ -29,6 +29,9 @@ trampoline, holding the GIL only while a call runs):
   stores do. ``interrupt()`` makes blocked and later reads fail at once (an
   abort of a rendezvous in progress); so does shutting down the sockets of the
   two connections, which the caller opens and owns (``ProcessGroups.form``).
+- ``forget()`` removes from the channel what this worker put there for the node,
+  once the epoch's groups are gone (``ProcessGroups.destroy``): a long job's
+  recoveries do not pile up in its agents' channels.
 - ``count``: the requests and bytes this store sent to the job's store (not the
   channel's): what ``bench/scale.py`` reports as the rendezvous's.
 """
@@ -75,6 +78,7 @@ def _define():
             self.wait_timeout = timeout
             self.count = RequestCount()
             self._clones: List = []
+            self._written: List[str] = []  # what it put in the channel, for forget()
             self._token = f"{os.getpid()}:{id(self)}".encode()
             store.set_timeout(datetime.timedelta(seconds=timeout))
 
@@ -125,6 +129,15 @@ def _define():
             self._clones.append(twin)  # torch holds it by its C++ half only: see ProcessGroups._store
             return twin
 
+        def forget(self) -> None:
+            """Remove from the channel what this store and its clones put there: call it once
+            the epoch's groups are gone (its members read it while they formed them, and
+            a newer epoch reads keys of its own)."""
+            for store in (self, *self._clones):
+                if store._written:
+                    store.channel.delete_many(store._written)
+                    store._written = []
+
         def interrupt(self) -> None:
             for part in (self.store, self.channel):
                 if hasattr(part, "interrupt"):
@@ -163,6 +176,7 @@ def _define():
                     pass  # then: read by now, or the claim given back?
 
         def _fetch_for_node(self, names: List[str], timeout, held: str, claim: str) -> List[bytes]:
+            self._written.append(claim)
             try:
                 values = self._fetch(names, timeout)
             except BaseException:
@@ -172,6 +186,7 @@ def _define():
                     pass
                 raise
             self.channel.set(held, _pack(values))
+            self._written.append(held)
             return values
 
         def _fetch(self, names: List[str], timeout: Optional[datetime.timedelta]) -> List[bytes]:

@@ -423,6 +423,9 @@ class ProcessGroups:
                 torch_private.abort_all_groups()
             except Exception:  # noqa: BLE001 - fall back to the plain teardown
                 dist.destroy_process_group()
+        if hasattr(self._store, "forget"):  # the node channel's copies of the epoch's reads
+            with contextlib.suppress(Exception):  # a channel connection an abort shut: they stay
+                self._store.forget()
         self._store = None
 
 
