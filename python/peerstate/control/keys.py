@@ -55,7 +55,8 @@ workers: they never read the job's store for the recovery protocol)
     ``rendezvous/{read}``           what a member read from the job's store for the process groups'
                                     rendezvous, for the node's other members (``control.node_rendezvous``;
                                     ``read`` is the key, or a digest of the keys read together)
-    ``rendezvous/claim/{read}``     the member reading it for the node (compare_set; given back if it fails)
+    ``rendezvous/claim/{read}``     the member reading it for the node (compare_set; given back if it fails);
+                                    both removed by that member once the epoch's groups are gone
 
 Tools
     ``inject/{index}``              the agent that injected fault ``index`` (injected once)
