@@ -14,6 +14,8 @@ from __future__ import annotations
 import datetime
 from typing import List, Optional
 
+from peerstate.control.kvstore import as_bytes
+
 _TYPE = None
 
 
@@ -42,7 +44,7 @@ def _define():
             return twin
 
         def set(self, key: str, value) -> None:
-            self.kv.set(key, _bytes(value))
+            self.kv.set(key, as_bytes(value))
 
         def get(self, key: str) -> bytes:
             try:
@@ -54,17 +56,17 @@ def _define():
             return self.kv.add(key, amount)
 
         def compare_set(self, key: str, expected, desired) -> bytes:
-            return self.kv.compare_set(key, _bytes(expected), _bytes(desired))
+            return self.kv.compare_set(key, as_bytes(expected), as_bytes(desired))
 
         def append(self, key: str, value) -> None:
-            self.kv.append(key, _bytes(value))
+            self.kv.append(key, as_bytes(value))
 
         def multi_get(self, keys: List[str]) -> List[bytes]:
             self._wait(keys, None)
             return self.kv.get_existing(keys)
 
         def multi_set(self, keys: List[str], values) -> None:
-            self.kv.set_many([(k, _bytes(v)) for k, v in zip(keys, values)])
+            self.kv.set_many([(k, as_bytes(v)) for k, v in zip(keys, values)])
 
         def check(self, keys: List[str]) -> bool:
             return all(v is not None for v in self.kv.get_many(keys))
@@ -93,7 +95,3 @@ def _define():
                 raise dist.DistStoreError(f"wait for {keys} timed out after {seconds:.1f}s") from None
 
     return EtcdRendezvousStore
-
-
-def _bytes(value) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)

@@ -145,6 +145,11 @@ class RequestCount:
         self.bytes_received += sum(len(v) for v in values)
 
 
+def as_bytes(value) -> bytes:
+    """A value torch hands a Python store (``str`` or bytes-like) as bytes."""
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
 # What TorchKeyValueStore._read() compares a key with: no value the control plane writes is this.
 _ABSENT = b"\x00peerstate: no such key\x00"
 

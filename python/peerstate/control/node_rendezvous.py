@@ -47,7 +47,7 @@ import time
 from typing import List, Optional, Sequence
 
 from peerstate.control import keys
-from peerstate.control.kvstore import KeyValueStore, RequestCount
+from peerstate.control.kvstore import KeyValueStore, RequestCount, as_bytes
 
 # How long a worker waits for the node's claimant before it looks whether the claim was given
 # back (a claimant that failed): a bound on how late a take-over starts, not on the read.
@@ -84,12 +84,12 @@ def _define():
 
         # -- writes and checks: the job's store --------------------------------------------
         def set(self, key: str, value) -> None:
-            value = _bytes(value)
+            value = as_bytes(value)
             self.count.sent(1, key, value)
             self.store.set(key, value)
 
         def multi_set(self, names: List[str], values) -> None:
-            values = [_bytes(v) for v in values]
+            values = [as_bytes(v) for v in values]
             self.count.sent(1, *names, *values)
             self.store.multi_set(names, values)
 
@@ -98,11 +98,11 @@ def _define():
             return self.store.add(key, amount)
 
         def compare_set(self, key: str, expected, desired) -> bytes:
-            self.count.sent(1, key, _bytes(expected), _bytes(desired))
+            self.count.sent(1, key, as_bytes(expected), as_bytes(desired))
             return self.store.compare_set(key, expected, desired)
 
         def append(self, key: str, value) -> None:
-            self.count.sent(1, key, _bytes(value))
+            self.count.sent(1, key, as_bytes(value))
             self.store.append(key, value)
 
         def check(self, names: List[str]) -> bool:
@@ -201,10 +201,6 @@ def _define():
             return values
 
     return NodeRendezvousStore
-
-
-def _bytes(value) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def _pack(values: Sequence[bytes]) -> bytes:
