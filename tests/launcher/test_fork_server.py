@@ -145,6 +145,67 @@ def test_the_server_and_its_workers_die_with_the_agent(tmp_path):
         agent.wait()
 
 
+AGENT = textwrap.dedent("""
+    import json, os, signal, subprocess, sys, threading, time
+    from peerstate.launcher.fork_server import ForkServer
+    log_dir, script, with_thread = sys.argv[1], sys.argv[2], sys.argv[3] == "thread"
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the agent's, as peerstate run installs it
+    if with_thread:
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    threads = "1"  # not torch's default: one per core (and torch caps it there)
+    env = dict(os.environ, OMP_NUM_THREADS=threads)
+    sys.path.insert(0, log_dir)  # still_buffered: prints as it is imported, the last before the fork
+    forks = ForkServer(["torch", "numpy"], env, os.path.join(log_dir, "server.log"), share=["torch", "still_buffered"])
+    worker = forks.spawn([script, os.path.join(log_dir, "worker.json")], env, os.path.join(log_dir, "worker.log"))
+    code = worker.wait(timeout=120)
+    import torch
+    with open(f"/proc/{forks._popen.pid}/cmdline", "rb") as f:
+        server_command = f.read().split(b"\\0")
+    report = {"code": code, "threads": threads, "agent_env": os.environ.get("OMP_NUM_THREADS"),
+              "agent_torch_threads": torch.get_num_threads(), "server": forks._popen.pid,
+              "server_exec": b"peerstate.launcher.fork_server" in server_command}
+    forks.close()
+    print(json.dumps(report), flush=True)
+""")
+
+WORKER = textwrap.dedent("""
+    import json, os, signal, sys
+    import torch
+    with open(sys.argv[1], "w") as f:
+        json.dump({"threads": torch.get_num_threads(), "parent": os.getppid(),
+                   "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}, f)
+""")
+
+
+@pytest.mark.skipif(os.cpu_count() < 2, reason="torch's default thread count is 1 here, as the test's setting")
+@pytest.mark.parametrize("agent_has_a_thread", [False, True], ids=["forked-from-the-agent", "new-interpreter"])
+def test_a_server_forked_from_the_agent_imports_torch_once_and_gives_workers_their_own_start(tmp_path,
+                                                                                              agent_has_a_thread):
+    """The agent imports torch for its stores; with ``share``, its fork server is forked
+    from it after that import instead of importing torch again. What a worker sees is the
+    same either way: the thread count its environment sets (read when torch loads), the
+    default SIGTERM, none of the agent's buffered output. An agent that already runs a
+    thread (a fork would copy a lock it holds) gets a new interpreter."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    (tmp_path / "still_buffered.py").write_text('print("the agent\'s own output, still buffered", end="")\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")}
+    agent = subprocess.run([sys.executable, "-c", AGENT, str(tmp_path), str(script),
+                            "thread" if agent_has_a_thread else "no-thread"], env=env,
+                           capture_output=True, text=True, timeout=180)
+    assert agent.returncode == 0, agent.stdout + agent.stderr
+    report = json.loads(agent.stdout.rsplit("buffered", 1)[-1])
+    worker = json.loads((tmp_path / "worker.json").read_text())
+    assert report["code"] == 0, (tmp_path / "worker.log").read_text()
+    assert report["server_exec"] == agent_has_a_thread, report
+    assert worker == {"threads": int(report["threads"]), "parent": report["server"], "sigterm_default": True}
+    assert report["agent_env"] is None  # the agent's own environment is as it was
+    # Forked: the agent's torch is the server's, loaded under the workers' environment.
+    assert (report["agent_torch_threads"] == int(report["threads"])) == (not agent_has_a_thread), report
+    assert "the agent's own output" not in (tmp_path / "worker.log").read_text()
+    assert agent.stdout.count("the agent's own output") == (0 if agent_has_a_thread else 1)  # once, by the agent
+
+
 def test_a_preload_that_fails_says_which_and_how_to_do_without(tmp_path):
     forks = ForkServer(["peerstate_no_such_module"], dict(os.environ), str(tmp_path / "server.log"))
     try:
@@ -153,6 +214,27 @@ def test_a_preload_that_fails_says_which_and_how_to_do_without(tmp_path):
     finally:
         forks.close()
     assert forks._popen.poll() is not None
+
+
+def test_a_server_forked_from_the_agent_whose_preload_fails_says_why_and_never_returns_into_the_agent(tmp_path):
+    agent = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os
+        from peerstate.errors import JobFailedError
+        from peerstate.launcher.fork_server import ForkServer
+        forks = ForkServer(["peerstate_no_such_module"], dict(os.environ), {str(tmp_path / 'server.log')!r},
+                           share=["colorsys"])
+        try:
+            forks.spawn(["worker.py"], dict(os.environ), {str(tmp_path / 'worker.log')!r})
+        except JobFailedError as error:
+            print("refused:", error)
+        forks.close()
+        print("forked:", type(forks._popen).__name__, "exit:", forks._popen.poll(), "pid:", os.getpid())
+    """)], capture_output=True, text=True, timeout=120)
+    assert agent.returncode == 0, agent.stdout + agent.stderr
+    refused, ended = agent.stdout.splitlines()  # once each: the server's child never ran the agent's code
+    assert "peerstate_no_such_module" in refused and "--preload ''" in refused, refused
+    assert ended.startswith("forked: _ForkedServer exit: 1 pid:"), ended
+    assert "ModuleNotFoundError" in (tmp_path / "server.log").read_text()
 
 
 OPTIMIZER_SCRIPT = textwrap.dedent("""

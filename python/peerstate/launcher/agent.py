@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from peerstate.control import keys
 from peerstate.control import progress as progress_file
@@ -86,7 +86,9 @@ class Agent:
     def run(self) -> int:
         try:
             if self.config.preload:
-                self._fork_server()  # its imports overlap the nodes' join
+                # Its imports overlap the nodes' join. Forked from here, before any thread:
+                # torch, which the agent's stores need too, is imported once for both.
+                self._fork_server(share=["torch.distributed"])
             self._connect()
             self._spawn_initial()
             return self._watch()
@@ -188,16 +190,17 @@ class Agent:
         env.update(self.config.extra_env)
         return env
 
-    def _fork_server(self) -> ForkServer:
+    def _fork_server(self, share: Sequence[str] = ()) -> ForkServer:
         """This node's fork server, started on first use (again if it died: what it had
-        started died with it and is reported as killed)."""
+        started died with it and is reported as killed); ``share``: see ``ForkServer``."""
         if self._forks is None or not self._forks.alive():
             if self._forks is not None:
                 self._forks.close()
             # The job's event log in its environment marks the server, and what it forks (whose
             # /proc/PID/environ is the server's), as this job's processes.
             env = dict(self._common_env(), PEERSTATE_EVENTS=str(self.log_dir / "events.jsonl"))
-            self._forks = ForkServer(self.config.preload, env, str(self.log_dir / f"fork-server-{self.node}.log"))
+            self._forks = ForkServer(self.config.preload, env, str(self.log_dir / f"fork-server-{self.node}.log"),
+                                     share)
         return self._forks
 
     # -- watch ----------------------------------------------------------------------

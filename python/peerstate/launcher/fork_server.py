@@ -3,14 +3,22 @@
 A worker's interpreter start and ``import torch`` take 2-4 s of a busy core;
 a node paid them for every worker, every spare and every refill, and a
 recovery that needed a spare being refilled waited for them. The agent
-instead starts one *fork server* per node (``python -m
-peerstate.launcher.fork_server``): it imports the ``preload`` modules once,
-then forks a child per request, which becomes the script as ``python
+instead starts one *fork server* per node: it imports the ``preload`` modules
+once, then forks a child per request, which becomes the script as ``python
 script.py ARGS`` would run it (``runpy.run_path`` as ``__main__``, the
 request's argv, environment, working directory and log; its own session;
 SIGKILL when its parent dies). A spare is then ready in the time its script
 takes to reach ``track()``'s wait, less what the preload imported (by default
 torch, torch._dynamo, which torch's optimizers import, and peerstate).
+
+The agent needs torch too (its stores are torch's TCPStore), and a second
+``import torch`` was 2 CPU-seconds of every node's start (a 2-node test job
+of 5 workers took 13 CPU-seconds to run, 10 without it). So the agent's first server is
+forked from the agent itself, right after the agent imported torch under the
+workers' environment and before it starts any thread (``ForkServer``'s
+``share``); a server started later (the first one died) is a new
+interpreter, ``python -m peerstate.launcher.fork_server``, as is the first
+one wherever the fork is not safe.
 
 What differs from a fresh interpreter, on purpose and said here: modules
 preloaded are imported once with the server's environment (the per-worker
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -47,8 +56,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
-from typing import Callable, Dict, List, Mapping, NoReturn, Optional
+from typing import Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Union
 
 from peerstate.errors import JobFailedError
 from peerstate.launcher.processes import die_with_parent
@@ -102,16 +112,28 @@ class ForkServer:
     ``exit_code`` first takes in every answer the server has written by then (see
     ``_take_answers``)."""
 
-    def __init__(self, preload: List[str], env: Mapping[str, str], log: str) -> None:
+    def __init__(self, preload: List[str], env: Mapping[str, str], log: str, share: Sequence[str] = ()) -> None:
+        """``share``: modules this process needs too (the agent: ``torch.distributed``,
+        for its stores). Where none of them is imported yet and no other Python thread
+        runs, they are imported here under ``env``, as the server would import them, and
+        the server is forked from this process (see ``_ForkedServer``): a node pays for
+        them once, not twice. Otherwise the server is a new interpreter."""
         self.preload = list(preload)
         self.log = log
         ours, theirs = socket.socketpair()
-        with open(log, "ab") as out:
-            self._popen = subprocess.Popen(
-                [sys.executable, "-m", "peerstate.launcher.fork_server", "--fd", str(theirs.fileno()),
-                 "--preload", ",".join(self.preload)],
-                env=dict(env), pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        if share and threading.active_count() == 1 and not any(m in sys.modules for m in share):
+            with _environment(env):
+                for module in share:
+                    importlib.import_module(module)
+            self._popen: Union[subprocess.Popen, _ForkedServer] = _ForkedServer.start(theirs, ours, self.preload,
+                                                                                      env, log)
+        else:
+            with open(log, "ab") as out:
+                self._popen = subprocess.Popen(
+                    [sys.executable, "-m", "peerstate.launcher.fork_server", "--fd", str(theirs.fileno()),
+                     "--preload", ",".join(self.preload)],
+                    env=dict(env), pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         theirs.close()
         self._socket = ours
         self._changed = threading.Condition()
@@ -225,6 +247,85 @@ class ForkServer:
                 self._exits.setdefault(request, -signal.SIGKILL)
             self._error = self._error or f"the fork server exited (its output is in {self.log})"
             self._changed.notify_all()
+
+
+class _ForkedServer:
+    """A server forked from the agent itself, seen as the ``Popen`` of an exec'd one
+    (``pid``, ``poll``, ``wait``, ``kill``). Its child starts from the agent's
+    memory, so it sheds what is the agent's: buffered output (flushed before the
+    fork), its stdio (the server's log instead), the Python signal handlers the agent
+    installed (default again) and its environment (``env``, which the ``share``d
+    modules were imported under). It never returns into the agent's code: it serves,
+    or exits 1 saying why. The agent's other descriptors stay open in it, unused.
+    /proc/PID/environ shows the agent's environment, not ``env``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: Optional[int] = None
+
+    @classmethod
+    def start(cls, channel: socket.socket, agents_end: socket.socket, preload: List[str], env: Mapping[str, str],
+              log: str) -> "_ForkedServer":
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        agent = os.getpid()
+        pid = os.fork()
+        if pid:
+            return cls(pid)
+        try:
+            agents_end.close()
+            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            null = os.open(os.devnull, os.O_RDONLY)
+            for source, target in ((null, 0), (out, 1), (out, 2)):
+                os.dup2(source, target)
+            os.close(out)
+            os.close(null)
+            for signum in signal.valid_signals():
+                handler = signal.getsignal(signum)
+                if callable(handler) and handler is not signal.default_int_handler:
+                    signal.signal(signum, signal.SIG_DFL)
+            os.environ.clear()
+            os.environ.update(env)
+            die_with_parent()
+            if os.getppid() != agent:  # the agent died between the fork and the prctl
+                os._exit(128 + signal.SIGKILL)
+            _run_server(channel, preload)
+        except BaseException:  # noqa: BLE001 - never back into the agent's code
+            traceback.print_exc()
+        finally:
+            os._exit(1)
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]):
+    """``os.environ`` is ``env`` inside, as it was before outside."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 # -- the server -----------------------------------------------------------------------
@@ -355,16 +456,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--fd", type=int, required=True, help="the socket to the agent")
     parser.add_argument("--preload", default=",".join(DEFAULT_PRELOAD))
     args = parser.parse_args(argv)
-    channel = socket.socket(fileno=args.fd)
     die_with_parent()
+    _run_server(socket.socket(fileno=args.fd), list(filter(None, args.preload.split(","))))
+
+
+def _run_server(channel: socket.socket, preload: List[str]) -> NoReturn:
+    """Import ``preload`` (JobFailedError's reason said to the agent if that fails),
+    then serve; a worker forked by ``_serve`` becomes its script and exits here."""
     try:
-        for module in filter(None, args.preload.split(",")):
+        for module in preload:
             importlib.import_module(module)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             raise RuntimeError("CUDA was initialised while preloading; a forked CUDA context is unusable")
     except BaseException as error:  # noqa: BLE001 - said to the agent, which stops the job with it
-        _send(channel, {"error": f"preloading {args.preload!r} failed: {type(error).__name__}: {error} (start "
+        _send(channel, {"error": f"preloading {','.join(preload)!r} failed: {type(error).__name__}: {error} (start "
                                  "workers with their own interpreter: peerstate run --preload '')"})
         raise
     server = os.getpid()

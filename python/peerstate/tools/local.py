@@ -45,6 +45,9 @@ class LocalJob:
             descriptor = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(descriptor, "w") as out:
                 out.write(secrets.token_hex(32))
+        # Every process of the job carries its event log in its environment (leftover_processes):
+        # the agents', which what they fork shares (their fork server, its workers).
+        marked = dict(os.environ, PEERSTATE_EVENTS=str(self.logs / "events.jsonl"))
         for index, (workers, spares) in enumerate(nodes):
             log = self.dir / f"agent{index}.log"
             self.agent_logs.append(log)
@@ -52,7 +55,7 @@ class LocalJob:
                        str(index), "--store", stores[index], "--nproc-per-node", str(workers), "--spares", str(spares),
                        "--log-dir", str(self.logs), "--secret-file", str(secret_file), *agent_args, *script]
             with open(log, "wb") as out:
-                self.agents.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                self.agents.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=marked,
                                                     stdin=subprocess.DEVNULL, start_new_session=True))
             if hosted and index == 0 and len(nodes) > 1:
                 stores[1:] = [self.wait_for(lambda: re.search(r"store at (\S+)", log.read_text()), "node 0's store",
@@ -98,7 +101,8 @@ class LocalJob:
         return held
 
     def leftover_processes(self) -> List[int]:
-        """Processes of this job still running (they carry its event log in their environment)."""
+        """Processes of this job still running, agents included (they carry its event log
+        in their environment)."""
         return processes_with_env("PEERSTATE_EVENTS", str(self.logs / "events.jsonl"))
 
     def kill_node(self, index: int) -> None:
