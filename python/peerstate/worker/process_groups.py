@@ -188,9 +188,9 @@ class ProcessGroups:
         self._forming: Set[str] = set()   # the rendezvous connection while form() runs
         self._forming_since: Optional[Set[str]] = None  # the sockets open before form() began, while it runs
         self._forming_size, self._forming_epoch = 0, -1
-        self._rendezvous: Any = None       # the rendezvous store while form() runs
-        # The epoch's rendezvous store, until destroy(): torch holds a store implemented in Python
-        # only by its C++ half, which cannot call Python once nothing holds the Python object.
+        # The epoch's rendezvous store, until destroy() (an abort interrupts it while form() runs):
+        # torch holds a store implemented in Python only by its C++ half, which cannot call Python
+        # once nothing holds the Python object.
         self._store: Any = None
         self._abort_epoch = -1             # the newest epoch that asked for an abort
         self._waits: Dict[str, float] = {}  # gloo: the wait this object gave each group, by group name
@@ -217,8 +217,7 @@ class ProcessGroups:
             if self._abort_epoch > epoch:
                 raise AbortedError(f"epoch {self._abort_epoch} began before the group of epoch {epoch} formed")
             self._forming = socket_inodes() - before  # a TCPStore clone's connection, shut by an abort
-            self._rendezvous = rendezvous              # an etcd one is interrupted instead
-            self._store = rendezvous
+            self._store = rendezvous                   # an etcd one is interrupted instead
             self._forming_since, self._forming_size, self._forming_epoch = before, world_size, epoch
         # torch names the default group after a per-process counter, reset only when a
         # formed group is destroyed: a rendezvous aborted part way leaves it counted up,
@@ -258,7 +257,7 @@ class ProcessGroups:
     def _end_forming(self, epoch: int) -> None:
         """form() is over: AbortedError if a newer epoch's abort came while it ran."""
         with self._lock:
-            self._forming, self._rendezvous, self._forming_since = set(), None, None
+            self._forming, self._forming_since = set(), None
             if self._abort_epoch > epoch:
                 raise AbortedError(f"epoch {self._abort_epoch} began while the group of epoch {epoch} formed")
 
@@ -275,13 +274,16 @@ class ProcessGroups:
 
     def _end_rendezvous(self) -> None:
         """Make the rendezvous form() runs fail now (under the lock): its store connection
-        shut or interrupted, and gloo's waits for a peer to connect ended."""
+        shut or interrupted, and gloo's waits for a peer to connect ended. Nothing while
+        form() does not run."""
+        if self._forming_since is None:
+            return
         if self._forming:
             shutdown(self._forming)
-        if self._forming_since is not None and self.backend == "gloo":
+        if self.backend == "gloo":
             end_connect_waits(self._forming_since, self._forming_size)
-        if hasattr(self._rendezvous, "interrupt"):
-            self._rendezvous.interrupt()
+        if hasattr(self._store, "interrupt"):
+            self._store.interrupt()
 
     def add(self, declared: Union[Subgroup, DeclaredMesh], timeout: float) -> None:
         """Declare a subgroup or a mesh: formed now if this epoch's group is, and in
