@@ -126,9 +126,17 @@ def wait_for_assignment(channel: KeyValueStore, worker: str, timeout: float,
         epoch += 1
 
 
+# How long the watcher's one wait lasts. A TCPStore wait cannot be woken, so stop() waits for
+# it to end: with a second, every worker's exit took up to a second longer, and a node's agent
+# waits for its slowest worker. The wait is a loopback request to the node's agent, never to
+# the job's store.
+WATCH_WAIT_SECONDS = 0.25
+
+
 class EpochWatcher:
-    """Blocks on the next epoch's plan key (its own store connection) and calls
-    ``on_epoch(plan)`` from its thread the moment the plan appears."""
+    """Blocks on the next epoch's plan key (its own store connection, the node
+    channel) and calls ``on_epoch(plan)`` from its thread the moment the plan
+    appears."""
 
     def __init__(self, kv: KeyValueStore, plan: RecoveryPlan, on_epoch: Callable[[RecoveryPlan], None]) -> None:
         self._kv = kv
@@ -153,7 +161,7 @@ class EpochWatcher:
         while not self._stop.is_set():
             key = keys.epoch_plan(self._latest.epoch + 1)
             try:
-                self._kv.wait([key], timeout=1.0)
+                self._kv.wait([key], timeout=WATCH_WAIT_SECONDS)
                 plan = RecoveryPlan.decode(self._kv.get(key))
             except TimeoutError:
                 continue
