@@ -196,8 +196,9 @@ class Agent:
         if self._forks is None or not self._forks.alive():
             if self._forks is not None:
                 self._forks.close()
-            # The job's event log in its environment marks the server, and what it forks (whose
-            # /proc/PID/environ is the server's), as this job's processes.
+            # The job's event log in its environment marks a new-interpreter server, and what it
+            # forks (whose /proc/PID/environ is the server's), as this job's processes; a server
+            # forked from the agent shows the agent's environment instead (LocalJob marks it).
             env = dict(self._common_env(), PEERSTATE_EVENTS=str(self.log_dir / "events.jsonl"))
             self._forks = ForkServer(self.config.preload, env, str(self.log_dir / f"fork-server-{self.node}.log"),
                                      share)

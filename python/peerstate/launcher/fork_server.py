@@ -13,12 +13,12 @@ torch, torch._dynamo, which torch's optimizers import, and peerstate).
 
 The agent needs torch too (its stores are torch's TCPStore), and a second
 ``import torch`` was 2 CPU-seconds of every node's start (a 2-node test job
-of 5 workers took 13 CPU-seconds to run, 10 without it). So the agent's first server is
-forked from the agent itself, right after the agent imported torch under the
-workers' environment and before it starts any thread (``ForkServer``'s
-``share``); a server started later (the first one died) is a new
-interpreter, ``python -m peerstate.launcher.fork_server``, as is the first
-one wherever the fork is not safe.
+of 5 workers took 13 CPU-seconds to run, 10 without it). So the agent's
+first server is forked from the agent itself, right after the agent
+imported torch under the workers' environment and before it starts any
+thread (``ForkServer``'s ``share``); a server started later (the first one
+died) is a new interpreter, ``python -m peerstate.launcher.fork_server``, as
+is the first one wherever the fork is not safe.
 
 What differs from a fresh interpreter, on purpose and said here: modules
 preloaded are imported once with the server's environment (the per-worker
