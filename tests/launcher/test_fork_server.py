@@ -217,12 +217,15 @@ def test_a_preload_that_fails_says_which_and_how_to_do_without(tmp_path):
 
 
 def test_a_server_forked_from_the_agent_whose_preload_fails_says_why_and_never_returns_into_the_agent(tmp_path):
+    # Forked, the server fails at once, and it is gone before the agent's first request:
+    # the agent still says why (the server's words, not a broken pipe).
     agent = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import os
         from peerstate.errors import JobFailedError
         from peerstate.launcher.fork_server import ForkServer
         forks = ForkServer(["peerstate_no_such_module"], dict(os.environ), {str(tmp_path / 'server.log')!r},
                            share=["colorsys"])
+        forks._popen.wait(timeout=60)
         try:
             forks.spawn(["worker.py"], dict(os.environ), {str(tmp_path / 'worker.log')!r})
         except JobFailedError as error:

@@ -163,7 +163,10 @@ class ForkServer:
             try:
                 self._socket.sendall(json.dumps(message).encode() + b"\n")
             except OSError as error:
-                raise JobFailedError(f"the fork server is gone ({error}); its output is in {self.log}") from None
+                self._take_answers()  # a server whose preload failed said why before it went: say that
+                with self._changed:
+                    reason = self._error or f"it is gone ({error}); its output is in {self.log}"
+                raise JobFailedError(f"the fork server cannot start workers: {reason}") from None
         with self._changed:
             if not self._changed.wait_for(lambda: request in self._started or self._error, timeout):
                 raise JobFailedError(f"the fork server did not start a worker within {timeout:.0f}s "
