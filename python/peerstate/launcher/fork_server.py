@@ -277,21 +277,11 @@ class _ForkedServer:
             return cls(pid)
         try:
             agents_end.close()
-            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            null = os.open(os.devnull, os.O_RDONLY)
-            for source, target in ((null, 0), (out, 1), (out, 2)):
-                os.dup2(source, target)
-            os.close(out)
-            os.close(null)
+            _take_over(agent, log, env)
             for signum in signal.valid_signals():
                 handler = signal.getsignal(signum)
                 if callable(handler) and handler is not signal.default_int_handler:
                     signal.signal(signum, signal.SIG_DFL)
-            os.environ.clear()
-            os.environ.update(env)
-            die_with_parent()
-            if os.getppid() != agent:  # the agent died between the fork and the prctl
-                os._exit(128 + signal.SIGKILL)
             _run_server(channel, preload)
         except BaseException:  # noqa: BLE001 - never back into the agent's code
             traceback.print_exc()
@@ -318,17 +308,36 @@ class _ForkedServer:
             os.kill(self.pid, signal.SIGKILL)
 
 
+def _take_over(parent: int, log: str, env: Mapping[str, str]) -> None:
+    """In a child just forked from ``parent``: die with it (or now, if it is already
+    gone: it may have died between the fork and the prctl), write to ``log``, read
+    nothing, and run under ``env``."""
+    die_with_parent()
+    if os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    for source, target in ((null, 0), (out, 1), (out, 2)):
+        os.dup2(source, target)
+    os.close(out)
+    os.close(null)
+    _replace_environment(env)
+
+
+def _replace_environment(env: Mapping[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+
+
 @contextlib.contextmanager
 def _environment(env: Mapping[str, str]):
     """``os.environ`` is ``env`` inside, as it was before outside."""
     saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
+    _replace_environment(env)
     try:
         yield
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        _replace_environment(saved)
 
 
 # -- the server -----------------------------------------------------------------------
@@ -388,18 +397,7 @@ def _send(channel: socket.socket, message: dict) -> None:
 def _become(request: dict, server: int) -> None:
     """In the child: become ``python argv...`` with the request's environment and log."""
     os.setsid()
-    die_with_parent()
-    if os.getppid() != server:  # the server died between the fork and the prctl
-        os._exit(128 + signal.SIGKILL)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    os.environ.clear()
-    os.environ.update(request["env"])
+    _take_over(server, request["log"], request["env"])
     os.chdir(request["cwd"])
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # fresh entropy, as a new interpreter would draw
