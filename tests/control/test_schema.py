@@ -127,25 +127,3 @@ def test_a_two_node_agent_without_a_secret_stops_before_any_worker_starts(monkey
     monkeypatch.delenv("PEERSTATE_SECRET", raising=False)
     with pytest.raises(InvalidArgumentError, match="needs one secret on every node"):
         Agent(AgentConfig(script=["train.py"], nproc_per_node=1, nnodes=2, store="127.0.0.1:1", log_dir=str(tmp_path)))
-
-
-# Which subpackages each plane may import (docs/layout.md): imports flow one way.
-MAY_NOT_IMPORT = {
-    "state": ("replication", "control", "worker", "launcher", "tools", "demo"),
-    "replication": ("worker", "launcher", "tools", "demo"),  # it names store keys through control.keys
-    "control": ("worker", "launcher", "tools", "demo"),
-    "worker": ("launcher", "tools", "demo"),
-    "launcher": ("worker", "tools", "demo"),
-    "tools": ("launcher",),  # the simulation runs the workers' own code (tools/simulation), not the launcher's
-}
-
-
-@pytest.mark.parametrize("plane", sorted(MAY_NOT_IMPORT))
-def test_imports_flow_one_way(plane):
-    found = []
-    for path in sorted((PACKAGE / plane).rglob("*.py")):
-        for line in path.read_text().splitlines():
-            match = re.match(r"\s*(?:from|import) peerstate\.(\w+)", line)
-            if match and match.group(1) in MAY_NOT_IMPORT[plane]:
-                found.append(f"{path.relative_to(PACKAGE)}: {line.strip()}")
-    assert found == []

@@ -268,3 +268,41 @@ def test_a_forked_worker_builds_its_optimizer_without_importing_anything_heavy(t
         forks.close()
     imported = json.loads((tmp_path / "imported.json").read_text())
     assert not [m for m in imported if m.startswith(("torch._dynamo", "sympy"))], imported
+
+
+STARTED_AGENT = textwrap.dedent("""
+    import json, os, sys
+    from peerstate.launcher.fork_server import ForkServer
+    log_dir, script, threads = sys.argv[1:4]
+    env = dict(os.environ, OMP_NUM_THREADS=threads)
+    forks = ForkServer(["torch"], env, os.path.join(log_dir, "server.log"), share=["torch"])
+    worker = forks.spawn([script, os.path.join(log_dir, "worker.json")], env, os.path.join(log_dir, "worker.log"))
+    report = {"code": worker.wait(timeout=120), "server": forks._popen.pid,
+              "forked": type(forks._popen).__name__ == "_ForkedServer"}
+    forks.close()
+    print(json.dumps(report), flush=True)
+""")
+
+
+@pytest.mark.skipif(os.cpu_count() < 2, reason="torch's default thread count is 1 here, as the test's setting")
+@pytest.mark.parametrize("threads", ["1", "2"], ids=["preloaded-under-the-workers-environment", "under-another"])
+def test_an_agent_forked_from_a_starter_forks_its_server_only_where_the_preload_had_the_workers_environment(
+        tmp_path, threads):
+    """LocalJob forks its agents from one starter that imported torch under a node's
+    fork-server environment (OMP_NUM_THREADS=1 here). An agent whose workers' environment
+    is that one forks its server from itself; any other gets a new interpreter, and
+    either way its workers see the thread count of their own environment."""
+    (tmp_path / "agent.py").write_text(STARTED_AGENT)
+    (tmp_path / "worker.py").write_text(WORKER)
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    starter = ForkServer(["torch"], dict(base, OMP_NUM_THREADS="1"), str(tmp_path / "starter.log"))
+    try:
+        agent = starter.spawn([str(tmp_path / "agent.py"), str(tmp_path), str(tmp_path / "worker.py"), threads],
+                              base, str(tmp_path / "agent.log"))
+        assert agent.wait(timeout=180) == 0, (tmp_path / "agent.log").read_text()
+    finally:
+        starter.close()
+    report = json.loads((tmp_path / "agent.log").read_text().splitlines()[-1])
+    worker = json.loads((tmp_path / "worker.json").read_text())
+    assert report["code"] == 0 and report["forked"] == (threads == "1"), report
+    assert worker["threads"] == int(threads) and worker["parent"] == report["server"], (worker, report)

@@ -10,8 +10,9 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from peerstate.cli import agent_config, parser  # noqa: E402
+from peerstate.cli import parser  # noqa: E402
 from peerstate.control.etcd_store import EtcdKeyValueStore  # noqa: E402
+from peerstate.launcher.command_line import agent_config  # noqa: E402
 
 MANIFEST = Path(__file__).resolve().parents[2] / "examples" / "kubernetes" / "peerstate-job.yaml"
 

@@ -32,8 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from peerstate.control import keys
 from peerstate.control import progress as progress_file
-from peerstate.control.environment import (SCRIPT_DEFAULT_GROUP, SECRET_VARIABLE, STACKS_SIGNAL, WorkerEnvironment,
-                                          job_secret)
+from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, STACKS_SIGNAL, WorkerEnvironment, job_secret
 from peerstate.control.findings import FindingsReader
 from peerstate.control.kvstore import TorchKeyValueStore, store_gone
 from peerstate.control.node_control import NodeControl
@@ -159,7 +158,7 @@ class Agent:
         config = self.config
         counter_path = self._progress_dir / f"peerstate-{os.getpid()}-{worker}.progress"
         progress_file.create(str(counter_path))
-        env = self._common_env()
+        env = self.config.workers_environment(os.environ)
         private_key, certificate = self.keys.new_worker(worker, rank)
         env.update(WorkerEnvironment(
             store=self.store_address, worker=worker, spare=rank is None, world_size=self.world_size,
@@ -178,30 +177,16 @@ class Agent:
                                          preexec_fn=die_with_parent)
         self.processes[worker] = WorkerProcess(worker, rank, popen, ProgressCounter(str(counter_path)), log)
 
-    def _common_env(self) -> Dict[str, str]:
-        """The environment every worker of this node shares (its own part is added by _spawn)."""
-        env = dict(os.environ)
-        env.pop(SECRET_VARIABLE, None)  # workers get credentials of their own rank instead (WorkerKeys)
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the watcher's timed-out waits are not news
-        if self.config.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in env:
-            env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds where --host says, not the hostname's address
-        if self.config.nproc_per_node > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N processes of all-core OpenMP pools thrash
-        env.update(self.config.extra_env)
-        return env
-
     def _fork_server(self, share: Sequence[str] = ()) -> ForkServer:
         """This node's fork server, started on first use (again if it died: what it had
         started died with it and is reported as killed); ``share``: see ``ForkServer``."""
         if self._forks is None or not self._forks.alive():
             if self._forks is not None:
                 self._forks.close()
-            # The job's event log in its environment marks a new-interpreter server, and what it
-            # forks (whose /proc/PID/environ is the server's), as this job's processes; a server
-            # forked from the agent shows the agent's environment instead (LocalJob marks it).
-            env = dict(self._common_env(), PEERSTATE_EVENTS=str(self.log_dir / "events.jsonl"))
-            self._forks = ForkServer(self.config.preload, env, str(self.log_dir / f"fork-server-{self.node}.log"),
-                                     share)
+            # A server forked from the agent shows the agent's environment in /proc (LocalJob
+            # marks the agents' with the job's event log too).
+            self._forks = ForkServer(self.config.preload, self.config.fork_server_environment(os.environ),
+                                     str(self.log_dir / f"fork-server-{self.node}.log"), share)
         return self._forks
 
     # -- watch ----------------------------------------------------------------------

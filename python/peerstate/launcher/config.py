@@ -4,9 +4,11 @@ before anything starts."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional
 
 from peerstate.control import progress
+from peerstate.control.environment import SECRET_VARIABLE
 from peerstate.control.etcd_store import DEFAULT_UNAVAILABLE_TIMEOUT, TlsFiles
 from peerstate.errors import InvalidArgumentError
 from peerstate.launcher.fork_server import DEFAULT_PRELOAD
@@ -45,6 +47,25 @@ class AgentConfig:
     # Modules a node's fork server imports once, its workers forked from it (launcher.fork_server);
     # empty: each worker starts its own interpreter.
     preload: List[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
+
+    def workers_environment(self, agent_environment: Mapping[str, str]) -> Dict[str, str]:
+        """The environment every worker of this node shares, from the agent's (the agent
+        adds each worker's own part)."""
+        env = dict(agent_environment)
+        env.pop(SECRET_VARIABLE, None)  # workers get credentials of their own rank instead (WorkerKeys)
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the watcher's timed-out waits are not news
+        if self.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in env:
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds where --host says, not the hostname's address
+        if self.nproc_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N processes of all-core OpenMP pools thrash
+        env.update(self.extra_env)
+        return env
+
+    def fork_server_environment(self, agent_environment: Mapping[str, str]) -> Dict[str, str]:
+        """The environment of this node's fork server: its workers', and the job's event log,
+        which marks a new-interpreter server and what it forks (whose /proc/PID/environ is
+        the server's) as this job's processes."""
+        return dict(self.workers_environment(agent_environment), PEERSTATE_EVENTS=str(Path(self.log_dir) / "events.jsonl"))
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:

@@ -114,17 +114,16 @@ class ForkServer:
 
     def __init__(self, preload: List[str], env: Mapping[str, str], log: str, share: Sequence[str] = ()) -> None:
         """``share``: modules this process needs too (the agent: ``torch.distributed``,
-        for its stores). Where none of them is imported yet and no other Python thread
-        runs, they are imported here under ``env``, as the server would import them, and
+        for its stores). Where no other Python thread runs and none of them is imported
+        yet, they are imported here under ``env``, as the server would import them, and
         the server is forked from this process (see ``_ForkedServer``): a node pays for
-        them once, not twice. Otherwise the server is a new interpreter."""
+        them once, not twice. So it is, too, where this process was forked from a server
+        whose preload imported them under ``env`` itself (``LocalJob``'s agents).
+        Otherwise the server is a new interpreter."""
         self.preload = list(preload)
         self.log = log
         ours, theirs = socket.socketpair()
-        if share and threading.active_count() == 1 and not any(m in sys.modules for m in share):
-            with _environment(env):
-                for module in share:
-                    importlib.import_module(module)
+        if share and threading.active_count() == 1 and _imported_under(share, env):
             self._popen: Union[subprocess.Popen, _ForkedServer] = _ForkedServer.start(theirs, ours, self.preload,
                                                                                       env, log)
         else:
@@ -308,6 +307,19 @@ class _ForkedServer:
             os.kill(self.pid, signal.SIGKILL)
 
 
+def _imported_under(modules: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether this process holds ``modules`` imported under ``env``, as a server started
+    with ``env`` would import them (OpenMP, for one, reads its thread count when torch
+    loads): imported here now if none of them was yet, or by this process's own preload
+    under that very environment (an agent forked from a fork server: ``LocalJob``'s)."""
+    if not any(m in sys.modules for m in modules):
+        with _environment(env):
+            for module in modules:
+                importlib.import_module(module)
+        return True
+    return _preloaded_under == dict(env) and all(m in sys.modules for m in modules)
+
+
 def _take_over(parent: int, log: str, env: Mapping[str, str]) -> None:
     """In a child just forked from ``parent``: die with it (or now, if it is already
     gone: it may have died between the fork and the prctl), write to ``log``, read
@@ -341,6 +353,9 @@ def _environment(env: Mapping[str, str]):
 
 
 # -- the server -----------------------------------------------------------------------
+_preloaded_under: Optional[Dict[str, str]] = None  # the environment the server's preload ran in
+
+
 def _serve(channel: socket.socket) -> dict:
     """Fork a child per request and report each child's exit, until the agent closes
     the channel (then exit). Returns only in a child, with its request."""
@@ -464,12 +479,15 @@ def main(argv: Optional[List[str]] = None) -> None:
 def _run_server(channel: socket.socket, preload: List[str]) -> NoReturn:
     """Import ``preload`` (JobFailedError's reason said to the agent if that fails),
     then serve; a worker forked by ``_serve`` becomes its script and exits here."""
+    global _preloaded_under
+    environment = dict(os.environ)  # not after: an import may set a variable (torch._inductor's cache dir)
     try:
         for module in preload:
             importlib.import_module(module)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             raise RuntimeError("CUDA was initialised while preloading; a forked CUDA context is unusable")
+        _preloaded_under = environment
     except BaseException as error:  # noqa: BLE001 - said to the agent, which stops the job with it
         _send(channel, {"error": f"preloading {','.join(preload)!r} failed: {type(error).__name__}: {error} (start "
                                  "workers with their own interpreter: peerstate run --preload '')"})
@@ -480,4 +498,7 @@ def _run_server(channel: socket.socket, preload: List[str]) -> NoReturn:
 
 
 if __name__ == "__main__":
-    main()
+    # As the package's module, not as __main__: what the server forks reads its _preloaded_under.
+    from peerstate.launcher import fork_server
+
+    fork_server.main()
