@@ -168,3 +168,35 @@ def test_wait_until_raises_timeout_error_at_its_deadline_after_asking_moot(kv):
     assert calls, "moot() was never asked before the deadline ended the wait"
     kv.set("now", b"1")
     assert kv.wait_until(["now"], time.monotonic() - 1) is True  # keys there: a past deadline does not matter
+
+
+def test_an_interrupted_clone_ends_its_blocked_wait_at_once_and_the_store_goes_on(kv):
+    # The agent's end: its relay waits up to a second for the next plan on a clone of its
+    # own; interrupting that clone ends the wait now instead, with an error that says the
+    # connection is gone (the relay, told to stop, returns quietly on it).
+    from peerstate.control.kvstore import store_gone
+
+    waiter, outcome = kv.clone(), {}
+    started = threading.Event()
+
+    def wait():
+        started.set()
+        try:
+            waiter.wait(["plan"], timeout=60)
+            outcome["returned"] = True
+        except Exception as error:  # noqa: BLE001 - what it raised is the outcome
+            outcome["error"] = error
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    started.wait(5)
+    time.sleep(0.2)  # into its wait (an interrupt before it must fail the wait too)
+    waiter.interrupt()
+    thread.join(30)
+    assert not thread.is_alive(), "the interrupted wait still blocks"
+    assert store_gone(outcome["error"]) and not isinstance(outcome["error"], TimeoutError), outcome
+    with pytest.raises(Exception) as later:
+        waiter.wait(["plan"], timeout=5)
+    assert store_gone(later.value), later.value
+    kv.set("plan", b"p")  # the store and its other connections are untouched
+    assert kv.get("plan") == b"p" and kv.clone().get_existing(["plan"]) == [b"p"]

@@ -20,8 +20,9 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
+from peerstate.control.sockets import connected_to, shutdown, socket_inodes
 from peerstate.errors import StoreUnavailableError
 
 
@@ -116,6 +117,13 @@ class KeyValueStore:
         """Another connection to the same store (for a thread that blocks in wait())."""
         raise NotImplementedError
 
+    def interrupt(self) -> None:
+        """Make a wait() of this connection blocked in another thread, and every later
+        one, fail now with an error ``store_gone`` recognises (thread-safe). The
+        connection is done: what its other requests do after it is not defined. A
+        connection that cannot be interrupted (a TCPStore's first, not a clone) does
+        nothing: its wait ends at its timeout."""
+
     def rendezvous_store(self):
         """A ``torch.distributed.Store`` over the same keys, on its own connection, for
         ``init_process_group`` (the caller owns it). Its ``interrupt()``, where it has one,
@@ -160,11 +168,12 @@ class TorchKeyValueStore(KeyValueStore):
     TCPStore alone would listen on every interface."""
 
     def __init__(self, host: str, port: int, *, host_store: bool = False, timeout: float = 60.0,
-                 _store=None, _count: Optional[RequestCount] = None) -> None:
+                 _store=None, _count: Optional[RequestCount] = None, _sockets: Set[str] = frozenset()) -> None:
         import torch.distributed as dist
 
         self.host = host
         self.count = _count or RequestCount()
+        self._sockets = _sockets  # a clone's connection (interrupt)
         self._listener: Optional[socket.socket] = None
         if _store is not None:
             self.torch_store = _store
@@ -266,7 +275,16 @@ class TorchKeyValueStore(KeyValueStore):
             raise
 
     def clone(self) -> "TorchKeyValueStore":
-        return TorchKeyValueStore(self.host, self.port, _store=self.torch_store.clone(), _count=self.count)
+        before = socket_inodes()
+        store = self.torch_store.clone()
+        return TorchKeyValueStore(self.host, self.port, _store=store, _count=self.count,
+                                  _sockets=connected_to(socket_inodes() - before, self.port))
+
+    def interrupt(self) -> None:
+        # A clone's connection is shut (found when clone() connected it: one that another
+        # thread's clone() opened at the same moment may be shut with it). Not the
+        # first connection's: its wait ends at its timeout.
+        shutdown(self._sockets)
 
     def rendezvous_store(self):
         return self.torch_store.clone()

@@ -18,6 +18,7 @@ class InMemoryKeyValueStore(KeyValueStore):
         self._data: Dict[str, bytes]
         self._changed: threading.Condition
         self._data, self._changed = _shared or ({}, threading.Condition())
+        self._interrupted = False  # this connection's, not its clones'
 
     def set(self, key: str, value: bytes) -> None:
         with self._changed:
@@ -66,10 +67,17 @@ class InMemoryKeyValueStore(KeyValueStore):
         deadline = time.monotonic() + timeout
         with self._changed:
             while not all(k in self._data for k in keys):
+                if self._interrupted:
+                    raise ConnectionAbortedError(f"the wait for keys {list(keys)} was interrupted")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"keys {list(keys)} did not appear within {timeout:.1f}s")
                 self._changed.wait(left)
+
+    def interrupt(self) -> None:
+        with self._changed:
+            self._interrupted = True
+            self._changed.notify_all()
 
     def clone(self) -> "InMemoryKeyValueStore":
         return InMemoryKeyValueStore((self._data, self._changed))

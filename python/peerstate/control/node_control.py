@@ -145,6 +145,14 @@ class NodeControl:
         if wait and self._relay_thread is not None:
             self._relay_thread.join(timeout=5.0)
 
+    def close(self) -> None:
+        """Stop the relay for good (the agent's end): its wait for the next plan is
+        interrupted rather than waited out (up to ``PLAN_WAIT_SECONDS`` of every
+        agent's exit), and its connection and its writer's are done."""
+        self._relay_stop.set()
+        self._relay_kv.interrupt()
+        self.stop_relay()
+
     # -- watching -----------------------------------------------------------------------
     def tick(self, spares: Sequence[str] = ()) -> NodeTick:
         """The store calls of one watch tick: bump this node's lease, read the job's

@@ -403,7 +403,7 @@ class Agent:
     def _kill_all(self) -> None:
         self._stopping = True
         if hasattr(self, "control"):
-            self.control.stop_relay()
+            self.control.close()
         for process in self.processes.values():
             if process.popen.poll() is None:
                 process.signal_group(signal.SIGKILL)

@@ -15,27 +15,13 @@ created under for its point-to-point waits (see ``ProcessGroups.form``).
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import threading
 import time
-from typing import Callable, Iterator, Optional, Set, Tuple
+from typing import Callable, Optional, Set
 
-
-def open_sockets() -> Iterator[Tuple[int, str]]:
-    """(descriptor, "socket:[inode]") for every socket this process has open now."""
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile (or the listdir's own descriptor)
-        if link.startswith("socket:"):
-            yield int(fd), link
-
-
-def socket_inodes() -> Set[str]:
-    return {inode for _, inode in open_sockets()}
+from peerstate.control.sockets import duplicates
 
 
 def end_connect_waits(before: Set[str], size: int) -> None:
@@ -44,7 +30,7 @@ def end_connect_waits(before: Set[str], size: int) -> None:
     hang up: the pairs of a gloo rendezvous waiting for a dead peer to connect stop
     waiting. Never blocks long: local connections, each bounded by a second."""
     listeners = []
-    for sock in _duplicates(lambda inode: inode not in before):
+    for _, sock in duplicates(lambda inode: inode not in before):
         try:
             if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 listeners.append((sock.family, sock.getsockname()))
@@ -59,33 +45,6 @@ def end_connect_waits(before: Set[str], size: int) -> None:
                     hangup.sendall(struct.pack("=q", sequence))
             except OSError:
                 break  # the listener closed meanwhile: its rendezvous failed already
-
-
-def shutdown(inodes: Set[str]) -> None:
-    """shutdown(2) the connected sockets among ``inodes`` (listening ones are left
-    alone: gloo treats a failed accept() as fatal)."""
-    for sock in _duplicates(lambda inode: inode in inodes):
-        try:
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already shut down by the peer
-
-
-def _duplicates(wanted: Callable[[str], bool]) -> Iterator[socket.socket]:
-    """A duplicate of each socket of this process whose inode ``wanted`` accepts, closed
-    once the caller is done with it (the owner's descriptor stays valid)."""
-    for fd, inode in open_sockets():
-        if not wanted(inode):
-            continue
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue  # closed meanwhile
-        try:
-            yield sock
-        finally:
-            sock.close()
 
 
 class FormationWatch:

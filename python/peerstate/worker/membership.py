@@ -126,11 +126,10 @@ def wait_for_assignment(channel: KeyValueStore, worker: str, timeout: float,
         epoch += 1
 
 
-# How long the watcher's one wait lasts. A TCPStore wait cannot be woken, so stop() waits for
-# it to end: with a second, every worker's exit took up to a second longer, and a node's agent
-# waits for its slowest worker. The wait is a loopback request to the node's agent, never to
-# the job's store.
-WATCH_WAIT_SECONDS = 0.25
+# How long the watcher's one wait lasts: a plan ends it at once, and stop() interrupts it (its
+# connection is a clone: KeyValueStore.interrupt), so the bound matters only for a connection
+# that cannot be interrupted. A loopback request to the node's agent, never to the job's store.
+WATCH_WAIT_SECONDS = 1.0
 
 
 class EpochWatcher:
@@ -174,4 +173,5 @@ class EpochWatcher:
 
     def stop(self) -> None:
         self._stop.set()
+        self._kv.interrupt()
         self._thread.join(timeout=3.0)

@@ -97,9 +97,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 from peerstate.control import keys
 from peerstate.control.environment import SCRIPT_DEFAULT_GROUP
 from peerstate.control.node_rendezvous import node_rendezvous_store
+from peerstate.control.sockets import shutdown, socket_inodes
 from peerstate.errors import AbortedError, InvalidArgumentError
 from peerstate.errors import TimeoutError as PeerstateTimeoutError
-from peerstate.worker.gloo_rendezvous import FormationWatch, end_connect_waits, shutdown, socket_inodes
+from peerstate.worker.gloo_rendezvous import FormationWatch, end_connect_waits
 from peerstate.worker.meshes import DeclaredMesh
 from peerstate.worker import torch_private
 
