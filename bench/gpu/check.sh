@@ -6,6 +6,8 @@
 #
 #   bash bench/gpu/check.sh                               # on the GPU machine (device tool)
 #   PEERSTATE_CHECK_DEVICE=cpu bash bench/gpu/check.sh    # the rehearsal: the same steps on the CPU
+#   PEERSTATE_CHECK_DEVICE=cpu PEERSTATE_CHECK_QUICK=1 ...   # CI's (tests/native/test_gpu_check.py): the
+#       pytest steps only collect their tests (the suite runs them), the benchmark at one small size
 #
 # Uses the python3 on the PATH and the torch it has (a lent machine reaches no
 # registry: it must bring torch with CUDA; peerstate is built here with
@@ -16,6 +18,11 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-bench/results/gpu}"
 DEVICE="${PEERSTATE_CHECK_DEVICE:-cuda}"
+if [ "${PEERSTATE_CHECK_QUICK:-0}" = 1 ]; then
+  COLLECT="--collect-only"; SIZES="16"
+else
+  COLLECT=""; SIZES="256 1024"
+fi
 PYTHON="${PYTHON:-python3}"
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -44,9 +51,11 @@ step build-info "$PYTHON" -c "import peerstate, torch; print('cuda_compiled', pe
   'cuda_available', peerstate.cuda_available(), 'devices', peerstate._C.cuda_device_count(),
   'torch', torch.__version__, 'torch.cuda', torch.cuda.is_available())"
 # shellcheck disable=SC2086
-step gpu-tests "$PYTHON" -m pytest -rs -q $GPU_TESTS tests/native/test_snapshot_store.py
-step standin-tests "$PYTHON" -m pytest -rs -q tests/native/test_device_standins.py
-step snapshot-bench "$PYTHON" bench/snapshot.py --device "$DEVICE" --sizes 256 1024 \
+step gpu-tests "$PYTHON" -m pytest -rs -q $COLLECT $GPU_TESTS tests/native/test_snapshot_store.py
+# shellcheck disable=SC2086
+step standin-tests "$PYTHON" -m pytest -rs -q $COLLECT tests/native/test_device_standins.py
+# shellcheck disable=SC2086
+step snapshot-bench "$PYTHON" bench/snapshot.py --device "$DEVICE" --sizes $SIZES \
   --out "$OUT/snapshot_$DEVICE.json"
 # NCCL refuses two ranks on one GPU ("Duplicate GPU"); the nccl transfer test needs 2 GPUs
 # and says so in gpu-tests. The recovery below keeps CUDA state under gloo process groups.
