@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Set, Tuple
 
-from peerstate.control.sockets import connected_to, shutdown, socket_inodes
+from peerstate.control.sockets import connection_at, lowest_free_descriptor, shutdown
 from peerstate.errors import StoreUnavailableError
 
 
@@ -275,15 +275,16 @@ class TorchKeyValueStore(KeyValueStore):
             raise
 
     def clone(self) -> "TorchKeyValueStore":
-        before = socket_inodes()
+        descriptor = lowest_free_descriptor()  # the new connection's, unless another thread takes it
         store = self.torch_store.clone()
         return TorchKeyValueStore(self.host, self.port, _store=store, _count=self.count,
-                                  _sockets=connected_to(socket_inodes() - before, self.port))
+                                  _sockets=connection_at(descriptor, self.port))
 
     def interrupt(self) -> None:
-        # A clone's connection is shut (found when clone() connected it: one that another
-        # thread's clone() opened at the same moment may be shut with it). Not the
-        # first connection's: its wait ends at its timeout.
+        # A clone's connection is shut: the socket at the descriptor that was free when
+        # clone() connected, if it is connected to this store (another thread's clone()
+        # at that moment may have taken it: that one is shut then, and this wait ends at
+        # its timeout). Not the first connection's: its wait ends at its timeout.
         shutdown(self._sockets)
 
     def rendezvous_store(self):

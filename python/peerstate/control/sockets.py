@@ -3,9 +3,12 @@
 A blocked read of a library's client (gloo's, a TCPStore's) has no call that ends
 it; ``shutdown(2)`` on its socket does (the read fails at once, as if the peer had
 hung up). Sockets are recognised by inode (``/proc/self/fd``), so a reused
-descriptor number is never touched: take ``socket_inodes()`` before and after
-the call that connects, and the difference is what it opened (with whatever
-another thread opened meanwhile: callers filter it, or say so).
+descriptor number is never touched. What a call connects is found either as the
+difference of ``socket_inodes()`` before and after it (a scan of every
+descriptor: for calls that open many, a gloo rendezvous), or, for one
+connection, at ``lowest_free_descriptor()`` taken just before (two system
+calls). Either may take in what another thread opened meanwhile: callers filter
+it, or say so.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def socket_inodes() -> Set[str]:
 def shutdown(inodes: Set[str]) -> None:
     """shutdown(2) the connected sockets among ``inodes`` (listening ones are left
     alone: gloo treats a failed accept() as fatal)."""
-    for _, sock in duplicates(lambda inode: inode in inodes):
+    for sock in duplicates(lambda inode: inode in inodes):
         try:
             if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -41,23 +44,35 @@ def shutdown(inodes: Set[str]) -> None:
             pass  # already shut down by the peer
 
 
-def connected_to(inodes: Set[str], port: int) -> Set[str]:
-    """Those of ``inodes`` connected to a peer's ``port`` (a client's connections to a
-    server there, not the server's ends of them)."""
-    found = set()
-    for inode, sock in duplicates(lambda inode: inode in inodes):
+def lowest_free_descriptor() -> int:
+    """The descriptor the next socket() of this process gets, unless another thread
+    takes it first (POSIX: the lowest one not in use). Two system calls: finding a new
+    connection this way costs nothing however many sockets the process holds (a worker
+    of a large gloo group holds one per peer)."""
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    return fd
+
+
+def connection_at(fd: int, port: int) -> Set[str]:
+    """{the inode of descriptor ``fd``} if it is a socket connected to a peer's ``port``
+    (a client's connection to a server there, not the server's end of it); else empty."""
+    try:
+        inode = os.readlink(f"/proc/self/fd/{fd}")
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return set()  # not open (or not a socket)
+    with sock:
         try:
-            if sock.getpeername()[1] == port:
-                found.add(inode)
+            connected = sock.getpeername()[1] == port
         except OSError:
-            pass  # not connected
-    return found
+            connected = False
+    return {inode} if connected and inode.startswith("socket:") else set()
 
 
-def duplicates(wanted: Callable[[str], bool]) -> Iterator[Tuple[str, socket.socket]]:
-    """(inode, a duplicate) of each socket of this process whose inode ``wanted``
-    accepts, the duplicate closed once the caller is done with it (the owner's
-    descriptor stays valid)."""
+def duplicates(wanted: Callable[[str], bool]) -> Iterator[socket.socket]:
+    """A duplicate of each socket of this process whose inode ``wanted`` accepts, closed
+    once the caller is done with it (the owner's descriptor stays valid)."""
     for fd, inode in open_sockets():
         if not wanted(inode):
             continue
@@ -66,6 +81,6 @@ def duplicates(wanted: Callable[[str], bool]) -> Iterator[Tuple[str, socket.sock
         except OSError:
             continue  # closed meanwhile
         try:
-            yield inode, sock
+            yield sock
         finally:
             sock.close()

@@ -30,7 +30,7 @@ def end_connect_waits(before: Set[str], size: int) -> None:
     hang up: the pairs of a gloo rendezvous waiting for a dead peer to connect stop
     waiting. Never blocks long: local connections, each bounded by a second."""
     listeners = []
-    for _, sock in duplicates(lambda inode: inode not in before):
+    for sock in duplicates(lambda inode: inode not in before):
         try:
             if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 listeners.append((sock.family, sock.getsockname()))
