@@ -306,3 +306,32 @@ def test_an_agent_forked_from_a_starter_forks_its_server_only_where_the_preload_
     worker = json.loads((tmp_path / "worker.json").read_text())
     assert report["code"] == 0 and report["forked"] == (threads == "1"), report
     assert worker["threads"] == int(threads) and worker["parent"] == report["server"], (worker, report)
+
+
+REPORT_NVML_CHECK = ('import json, os\n'
+                     'with open(os.environ["REPORT_TO"] + "." + __name__, "w") as f:\n'
+                     '    json.dump(os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"), f)\n')
+
+
+@pytest.mark.parametrize("user_setting", [None, "0"], ids=["default", "set-by-the-user"])
+def test_a_preload_checks_cuda_through_nvml_and_the_workers_environment_is_their_own(tmp_path, user_setting):
+    """A preloaded module that asks torch.cuda.is_available() as it loads (torchtitan does)
+    must not initialise the CUDA driver in the server: every forked worker's CUDA would be
+    unusable. So the preload runs with PYTORCH_NVML_BASED_CUDA_CHECK=1, unless the user set
+    it; the workers see only their own environment. (What NVML's check then does runs only
+    on a GPU node.)"""
+    (tmp_path / "nvml_probe.py").write_text(REPORT_NVML_CHECK)
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")])),
+               REPORT_TO=str(tmp_path / "seen"))
+    if user_setting is not None:
+        env["PYTORCH_NVML_BASED_CUDA_CHECK"] = user_setting
+    forks = ForkServer(["nvml_probe"], env, str(tmp_path / "server.log"))
+    try:
+        worker = forks.spawn([str(tmp_path / "nvml_probe.py")], env, str(tmp_path / "worker.log"))
+        assert worker.wait(timeout=60) == 0, (tmp_path / "worker.log").read_text()
+    finally:
+        forks.close()
+    preloaded = json.loads((tmp_path / "seen.nvml_probe").read_text())
+    worker_saw = json.loads((tmp_path / "seen.__main__").read_text())
+    assert (preloaded, worker_saw) == ((user_setting or "1"), user_setting)

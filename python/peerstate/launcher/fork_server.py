@@ -27,7 +27,8 @@ script runs: torch reads them at ``init_process_group``, not at import);
 numpy's global random state is reseeded in each child (Python's ``random``
 reseeds itself at fork); the hash seed is the server's, the same in every
 worker. The server never initialises CUDA (it refuses to fork once CUDA is
-initialised: a forked CUDA context is unusable), and it runs no thread of its
+initialised: a forked CUDA context is unusable; a preloaded module's
+``torch.cuda.is_available()`` asks NVML, see ``_preload``), and it runs no thread of its
 own (numpy's OpenBLAS pool has its own fork handlers). A child ends as
 multiprocessing's forked children do (``_end_as_forked_child``): it waits for its
 non-daemon threads, runs its atexit functions (``Job.close`` among them) and
@@ -314,8 +315,7 @@ def _imported_under(modules: Sequence[str], env: Mapping[str, str]) -> bool:
     under that very environment (an agent forked from a fork server: ``LocalJob``'s)."""
     if not any(m in sys.modules for m in modules):
         with _environment(env):
-            for module in modules:
-                importlib.import_module(module)
+            _preload(modules)
         return True
     return _preloaded_under == dict(env) and all(m in sys.modules for m in modules)
 
@@ -353,6 +353,28 @@ def _environment(env: Mapping[str, str]):
 
 
 # -- the server -----------------------------------------------------------------------
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def _preload(modules: Sequence[str]) -> None:
+    """Import ``modules`` as a server must: a CUDA availability check among them asks
+    NVML, not the CUDA driver (``PYTORCH_NVML_BASED_CUDA_CHECK=1`` while they import,
+    unless the environment sets it). torchtitan, for one, calls
+    ``torch.cuda.is_available()`` as it loads; by the driver, that is a ``cuInit`` in
+    the server, after which every worker forked from it finds CUDA unusable, and
+    ``torch.cuda.is_initialized()`` does not show it. Workers get their own environment,
+    without the setting."""
+    default = NVML_CHECK not in os.environ
+    if default:
+        os.environ[NVML_CHECK] = "1"
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    finally:
+        if default:
+            os.environ.pop(NVML_CHECK, None)
+
+
 _preloaded_under: Optional[Dict[str, str]] = None  # the environment the server's preload ran in
 
 
@@ -482,8 +504,7 @@ def _run_server(channel: socket.socket, preload: List[str]) -> NoReturn:
     global _preloaded_under
     environment = dict(os.environ)  # not after: an import may set a variable (torch._inductor's cache dir)
     try:
-        for module in preload:
-            importlib.import_module(module)
+        _preload(preload)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             raise RuntimeError("CUDA was initialised while preloading; a forked CUDA context is unusable")
