@@ -65,7 +65,8 @@ class AgentConfig:
         """The environment of this node's fork server: its workers', and the job's event log,
         which marks a new-interpreter server and what it forks (whose /proc/PID/environ is
         the server's) as this job's processes."""
-        return dict(self.workers_environment(agent_environment), PEERSTATE_EVENTS=str(Path(self.log_dir) / "events.jsonl"))
+        events = str(Path(self.log_dir) / "events.jsonl")
+        return dict(self.workers_environment(agent_environment), PEERSTATE_EVENTS=events)
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
