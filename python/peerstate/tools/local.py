@@ -78,13 +78,13 @@ class LocalJob:
 
     def _start_agent(self, command: List[str], env: Dict[str, str], log: Path) -> Union[subprocess.Popen,
                                                                                        ForkedProcess]:
-        open(log, "wb").close()
+        open(log, "wb").close()  # the agent's own, from the start (spawn and Popen append)
         if self._starter is not None:
             try:
                 return self._starter.spawn(command, env, str(log))
             except JobFailedError:  # its preload failed (the reason is in starter.log): as on a real node
                 self._close_starter()
-        with open(log, "wb") as out:
+        with open(log, "ab") as out:
             return subprocess.Popen([sys.executable, *command], stdout=out, stderr=subprocess.STDOUT, env=env,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
 
