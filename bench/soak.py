@@ -44,7 +44,8 @@ Measured: all of it, on this machine's 2 cores. Each step sleeps up to
 is known in steps; the reference runs unpaced (the pacing changes no value).
 
     python bench/soak.py              # >= 100 faults: 31 min of rounds, 15 min of reference; results/soak.json
-    python bench/soak.py --quick      # >= 10 faults in one round, mtbf 5 s (tests/e2e/test_soak.py runs it)
+    python bench/soak.py --quick      # >= 10 faults in one round, mtbf 5 s, the GPT 64 wide of 1 layer
+                                      # (tests/e2e/test_soak.py runs it)
     python bench/soak.py --keep DIR --reanalyse   # a kept soak analysed again from its event logs
 """
 
@@ -92,13 +93,13 @@ def run_round(index: int, args, etcd, workdir: Path, total_steps: int) -> dict:
 
     job = LocalJob(workdir / f"round{index}", NODES,
                    [str(JOB), "--steps", str(total_steps), "--out", str(workdir / "final.pt"),
-                    "--step-seconds", str(args.step_seconds)],
+                    "--step-seconds", str(args.step_seconds), *model_args(args)],
                    agent_args=[*AGENT_FLAGS, "--job-id", f"soak-{args.seed}-{index}", "--checkpoint-dir",
                                str(workdir / "checkpoints"), "--checkpoint-every", str(args.checkpoint_every),
                                "--inject", fault_spec(args, index)], store=etcd.url)
     (workdir / f"round{index}").mkdir(parents=True, exist_ok=True)
-    (workdir / f"round{index}" / "round.json").write_text(json.dumps({"steps": total_steps,
-                                                                       "spec": fault_spec(args, index)}))
+    (workdir / f"round{index}" / "round.json").write_text(json.dumps({
+        "steps": total_steps, "spec": fault_spec(args, index), "width": args.width, "layers": args.layers}))
     # pid -> [wall time, its resident bytes, recoveries ended so far], after each recovery and
     # every MEMORY_SAMPLE_SECONDS: a worker is measured from soon after it took its rank.
     memory: Dict[int, List[List[float]]] = {}
@@ -306,25 +307,30 @@ def unexplained(events: List[dict], within: float = 5.0) -> List[str]:
 REFERENCE_SECONDS_PER_STEP = 0.25
 
 
-def reference_run(workdir: Path, steps: int, timeout: float) -> Path:
-    """The same steps without a fault (one node of 4, unpaced): its final parameters.
-    ``timeout`` grows with ``steps`` (REFERENCE_SECONDS_PER_STEP)."""
+def model_args(args) -> List[str]:
+    """The model's flags for ``soak_job.py``: the round's and the reference's are the same."""
+    return ["--width", str(args.width), "--layers", str(args.layers)]
+
+
+def reference_run(workdir: Path, steps: int, model: List[str], timeout: float) -> Path:
+    """The same steps of the same ``model`` without a fault (one node of 4, unpaced): its final
+    parameters. ``timeout`` grows with ``steps`` (REFERENCE_SECONDS_PER_STEP)."""
     timeout = max(timeout, steps * REFERENCE_SECONDS_PER_STEP)
     from peerstate.tools.local import LocalJob
 
     out = workdir / "reference.pt"
     made = workdir / "reference.json"  # the steps it was run for: a reanalysis reuses it
-    if out.exists() and made.exists() and json.loads(made.read_text())["steps"] == steps:
+    if out.exists() and made.exists() and json.loads(made.read_text()) == {"steps": steps, "model": model}:
         return out
     shutil.rmtree(workdir / "reference", ignore_errors=True)
     job = LocalJob(workdir / "reference", [(WORLD, 0)], [str(JOB), "--steps", str(steps), "--out", str(out),
-                                                          "--step-seconds", "0"])
+                                                          "--step-seconds", "0", *model])
     try:
         if job.wait(timeout) != [0]:
             raise RuntimeError(f"the fault-free reference failed; see {job.dir}")
     finally:
         job.close()
-    made.write_text(json.dumps({"steps": steps}))
+    made.write_text(json.dumps({"steps": steps, "model": model}))
     return out
 
 
@@ -403,6 +409,10 @@ def main(argv=None) -> int:
                              "a third of the faults take two ranks, so a shorter one outruns the refill and recoveries "
                              "wait for spares; the quick form checks what survives, not how fast)")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--width", type=int, default=None,
+                        help="the demo GPT's width (default 128, as the demo's; --quick 64: the test's fault-free "
+                             "reference then takes half the time, and the faults land as they do at 128)")
+    parser.add_argument("--layers", type=int, default=None, help="its layers (default 2; --quick 1)")
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--checkpoint-every", type=int, default=20)
     parser.add_argument("--tail", type=float, default=4.0, help="seconds a round runs past its last fault")
@@ -419,6 +429,8 @@ def main(argv=None) -> int:
     target = args.faults or (10 if args.quick else 100)
     args.per_round = args.per_round or (10 if args.quick else 8)
     args.mtbf = args.mtbf or (5.0 if args.quick else 8.0)
+    args.width = args.width or (64 if args.quick else 128)
+    args.layers = args.layers or (1 if args.quick else 2)
     from peerstate.tools.etcd_cluster import EtcdCluster
     from peerstate.worker.checkpoint import latest_checkpoint
 
@@ -463,16 +475,21 @@ def reanalyse(args, workdir: Path, argv) -> int:
     rounds, total_steps = reread_rounds(workdir)
     if not rounds:
         raise SystemExit(f"no rounds in {workdir} (round0/logs/events.jsonl)")
+    kept = workdir / "round0" / "round.json"
+    recorded = json.loads(kept.read_text()) if kept.exists() else {}
+    # the model the rounds trained (a soak from before it was recorded: the demo's, the only one then)
+    args.width, args.layers = recorded.get("width", 128), recorded.get("layers", 2)
     return finish(args, argv, workdir, rounds, total_steps, time.monotonic())
 
 
 def finish(args, argv, workdir: Path, rounds: List[dict], total_steps: int, started: float) -> int:
     """The fault-free reference, the bitwise check, the summary and its report."""
-    check = bitwise(reference_run(workdir, total_steps, args.round_timeout), workdir / "final.pt")
+    check = bitwise(reference_run(workdir, total_steps, model_args(args), args.round_timeout), workdir / "final.pt")
     summary = summarise(rounds, check)
     report(summary, rounds, time.monotonic() - started)
     result = {"benchmark": "soak", "command": " ".join(["python", "bench/soak.py", *(argv or sys.argv[1:])]),
-              "seed": args.seed, "mtbf_s": args.mtbf, "steps": total_steps, "summary": summary, "rounds": rounds}
+              "seed": args.seed, "mtbf_s": args.mtbf, "steps": total_steps, "width": args.width, "layers": args.layers,
+              "summary": summary, "rounds": rounds}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"wrote {args.out}; logs in {workdir}")
