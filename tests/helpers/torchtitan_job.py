@@ -4,18 +4,15 @@ CPU/gloo, for the e2e tests. Takes the test jobs' ``--steps``/``--out`` and a
 ``job.steps``) and writes each rank's final model and optimizer shards and train
 state to ``--out``.
 
-The CPU shims below are for this harness only (torchtitan has CUDA-only corners
-on a machine without a GPU): its device type falls back to "cuda" when no
-accelerator is found; it names its device "cpu:LOCAL_RANK", and a CPU has one;
-its memory monitor reads CUDA's statistics; and FSDP's reduce-scatter with its
-gradient division turned off is a PREMUL_SUM, which gloo refuses (forced to a
-sum)."""
+The CPU shims are in ``torchtitan_cpu`` (a fork server may have imported it
+already: the tests preload it)."""
 
 import argparse
 import os
 import sys
 
-LAYOUTS = {"hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+LAYOUTS = {"hsdp": ["--parallelism.data_parallel_replicate_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "2"],
            "fsdp_tp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
            "pp_fsdp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]}
 
@@ -24,7 +21,8 @@ parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--layout", choices=sorted(LAYOUTS), default="hsdp")
 parser.add_argument("--assets", required=True, help="a folder with tokenizer/ and data/ (tests/integrations)")
-parser.add_argument("--validate-every", type=int, default=0, help="torchtitan's validation every N steps (2 batches)")
+parser.add_argument("--validate-every", type=int, default=0,
+                    help="torchtitan's validation every N steps (2 batches)")
 args, rest = parser.parse_known_args()
 if args.validate_every:
     rest += ["--validation.enable", "--validation.dataset", "c4_test", "--validation.dataset_path",
@@ -32,7 +30,7 @@ if args.validate_every:
              "--validation.seq_len", "64", "--validation.local_batch_size", "2"]
 
 os.environ["LOCAL_RANK"] = "0"  # the one CPU device (peerstate itself never reads it)
-# torchtitan's parser reads sys.argv[1:] as it stood when torchtitan was imported: set it before
+# the command line torchtitan parses (run() reads it as it stands, preloaded or not)
 sys.argv = [sys.argv[0], "--model.hf_assets_path", os.path.join(args.assets, "tokenizer"),
             "--training.dataset", "c4_test", "--training.dataset_path", os.path.join(args.assets, "data"),
             "--training.steps", str(args.steps), "--training.seq_len", "64", "--training.local_batch_size", "2",
@@ -40,44 +38,7 @@ sys.argv = [sys.argv[0], "--model.hf_assets_path", os.path.join(args.assets, "to
             "--metrics.log_freq", "1000", "--job.dump_folder", args.out, *LAYOUTS[args.layout], *rest]
 
 import torch  # noqa: E402
-import torch._utils  # noqa: E402
-
-torch._utils._get_available_device_type = lambda: "cpu"  # before torchtitan reads it
-
-from torch.distributed.fsdp import FSDPModule  # noqa: E402
-from torchtitan.components import metrics  # noqa: E402
-from torchtitan.models.llama3.infra import parallelize as llama_parallelize  # noqa: E402
-from torchtitan.train import main  # noqa: E402
-
-from peerstate.integrations.torchtitan import PeerstateTrainer  # noqa: E402
-
-
-class _NoDeviceMemory:
-    device_name = "cpu"
-
-    def get_peak_stats(self):
-        from types import SimpleNamespace
-
-        return SimpleNamespace(max_active_gib=0, max_active_pct=0, max_reserved_gib=0, max_reserved_pct=0,
-                               num_alloc_retries=0, num_ooms=0)
-
-    def reset_peak_stats(self):
-        pass
-
-
-metrics.build_device_memory_monitor = lambda: _NoDeviceMemory()
-_divide_off = llama_parallelize.disable_fsdp_gradient_division
-
-
-def _divide_off_and_sum(model):
-    _divide_off(model)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-
-
-llama_parallelize.disable_fsdp_gradient_division = _divide_off_and_sum
-
+from torchtitan_cpu import PeerstateTrainer, run  # noqa: E402
 
 
 class TestTrainer(PeerstateTrainer):
@@ -104,4 +65,4 @@ class TestTrainer(PeerstateTrainer):
         super().close()
 
 
-main(TestTrainer)
+run(TestTrainer)

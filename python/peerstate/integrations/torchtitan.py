@@ -31,6 +31,9 @@ torchtitan's own loop did that this one does not: its checkpointer's save and
 load (peerstate's ``--checkpoint-dir`` is the disk fallback and the resume), and
 ``comm.train_timeout_seconds`` after step 1 (peerstate bounds every collective
 wait by ``Job(abort_timeout=...)``), and profiling. Not run here: GPU/NCCL.
+
+``--preload peerstate.integrations.torchtitan`` imports torchtitan once per node
+(``run`` reads the worker's command line, not the server's); tested on CPU only.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterator, Optional
 
+from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
 from torchtitan.train import Trainer, main
 
@@ -128,5 +132,14 @@ class PeerstateTrainer(Trainer):
         self.job.close()
 
 
+def run(trainer_class: type = PeerstateTrainer) -> None:
+    """torchtitan's ``main`` with ``trainer_class``, its config parsed from ``sys.argv`` as it
+    stands now. torchtitan binds ``ConfigManager.parse_args``'s default to ``sys.argv`` when
+    its config module is imported: imported in a fork server (``--preload``), that is the
+    server's command line, and every worker would train with the server's config, silently."""
+    ConfigManager.parse_args.__defaults__ = (sys.argv[1:],)
+    main(trainer_class)
+
+
 if __name__ == "__main__":
-    main(PeerstateTrainer)
+    run()
