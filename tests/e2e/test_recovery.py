@@ -23,16 +23,6 @@ def recoveries(job):
     return job.events("recovery")
 
 
-def test_fewer_versions_than_a_recovery_can_need_are_refused():
-    # A survivor's newest version can be 3 ahead of the newest a lost rank's buddy
-    # surely holds (Job's docstring says why): 3 slots can leave no common step.
-    import peerstate
-    from peerstate.errors import InvalidArgumentError
-
-    with pytest.raises(InvalidArgumentError, match=r"versions >= 4 \(got 1, 3\)"):
-        peerstate.Job(versions=3)
-
-
 @pytest.mark.parametrize("script_args", [[], ["--data-parallel"], ["--data-parallel", "--data-parallel-shares", "1"]],
                          ids=["replicated", "data-parallel", "data-parallel-full-copies"])
 def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
