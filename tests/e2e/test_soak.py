@@ -21,7 +21,8 @@ pytest.importorskip("torch")
 
 from helpers.etcd import require_etcd  # noqa: E402
 
-SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+SOAK = BENCH / "soak.py"
 
 
 def test_a_quick_soak_recovers_every_fault_of_every_kind_and_ends_bitwise(tmp_path):
@@ -50,24 +51,27 @@ def _event(name, time, **fields):
     return {"event": name, "time": time, **fields}
 
 
-def _summary(soak, faults, memory=None):
+def _summary(analysis, faults, memory=None):
     """The soak's summary of one round of ``faults`` (and workers' ``memory``), bitwise equal."""
-    return soak.summarise([{"faults": faults, "memory": memory or {}, "unexplained": [], "leftover": [],
+    return analysis.summarise([{"faults": faults, "memory": memory or {}, "unexplained": [], "leftover": [],
                             "failure": None, "round": 0, "log": ""}], {"equal": True, "tensors": 1})
 
 
-def _soak_module():
+def _soak_modules():
+    """bench/soak.py and its analysis (bench/soak_analysis.py, which it imports from beside it)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location("soak", SOAK)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    return module, importlib.import_module("soak_analysis")
 
 
 def test_the_soak_counts_a_pair_lost_by_two_faults_in_flight_together_as_every_copy_taken():
     # From a real round: a hang of rank 3 and, 0.4 s later, a kill of its buddy rank 1 (two
     # scenarios). The kill's plan (epoch 1) is overtaken by the hang's (epoch 2) before it
     # completes; the fallback is expected for both, and the hung rank's copy is flagged.
-    soak = _soak_module()
+    soak, analysis = _soak_modules()
 
     events = [
         _event("fault_injected", 10.0, scenario=0, scenario_kind="hang", kind="hang", rank=3),
@@ -82,13 +86,13 @@ def test_the_soak_counts_a_pair_lost_by_two_faults_in_flight_together_as_every_c
         _event("plan", 20.05, epoch=3, failed=[2], detected_at=20.02),
         _event("recovery", 20.4, epoch=3, marks={"0": {"first step": 20.4}}, phases_s={"plan": 0.03}),
     ]
-    hang, kill, alone = soak.analyse(events, soak.buddies())
+    hang, kill, alone = analysis.analyse(events, soak.buddies())
     assert soak.buddies()[1] == 3
     for fault in (hang, kill):
         assert fault["outcome"] == "checkpoint" and fault["every_copy_taken"] and fault["hung_copy"], fault
     assert alone["outcome"] == "recovered" and not alone["every_copy_taken"], alone
     assert abs(alone["seconds"] - 0.4) < 1e-9
-    summary = _summary(soak, [hang, kill, alone])
+    summary = _summary(analysis, [hang, kill, alone])
     assert not summary["unexpected_fallbacks"] and len(summary["hung_copy_fallbacks"]) == 2
 
 
@@ -96,7 +100,7 @@ def test_a_fallback_though_the_hung_one_of_the_pair_was_kept_for_its_replacement
     # The same two faults, with the hung rank frozen for its replacement to read: its memory
     # was a source, so falling back is a finding; killed at once (it had no index), it is a
     # known limit, listed apart.
-    soak = _soak_module()
+    soak, analysis = _soak_modules()
 
     def run(frozen):
         events = [
@@ -110,9 +114,9 @@ def test_a_fallback_though_the_hung_one_of_the_pair_was_kept_for_its_replacement
             _event("checkpoint_fallback", 11.5, epoch=2),
             _event("recovery", 11.9, epoch=2, marks={"0": {"first step": 11.9}}, phases_s={"plan": 0.1}),
         ]
-        [fault] = soak.analyse(events, soak.buddies())
+        [fault] = analysis.analyse(events, soak.buddies())
         assert fault["every_copy_taken"] and fault["hung_copy"] and fault["frozen_copy"] == frozen, fault
-        return _summary(soak, [fault])
+        return _summary(analysis, [fault])
 
     kept = run(frozen=True)
     assert len(kept["unexpected_fallbacks"]) == 1 and not kept["hung_copy_fallbacks"]
@@ -124,7 +128,7 @@ def test_only_the_last_hung_worker_of_a_rank_says_whether_its_copy_was_kept():
     # From the quick soak: rank 2's worker n1.0 hung, was kept and read by its replacement
     # n1.5, which hung in turn and was killed at once (then, with no index check it could
     # pass); the pair's fallback is on n1.5, whose copy nobody kept.
-    soak = _soak_module()
+    soak, analysis = _soak_modules()
     events = [
         _event("fault_injected", 10.0, scenario=0, scenario_kind="hang", kind="hang", rank=2),
         _event("hung_worker_frozen", 11.0, rank=2, worker="n1.0"),
@@ -138,7 +142,7 @@ def test_only_the_last_hung_worker_of_a_rank_says_whether_its_copy_was_kept():
         _event("checkpoint_fallback", 12.6, epoch=3),
         _event("recovery", 13.0, epoch=3, marks={"0": {"first step": 13.0}}, phases_s={"plan": 0.3}),
     ]
-    for fault in soak.analyse(events, soak.buddies()):
+    for fault in analysis.analyse(events, soak.buddies()):
         assert fault["outcome"] == "checkpoint" and fault["hung_copy"] and not fault["frozen_copy"], fault
 
 
@@ -148,7 +152,7 @@ def test_a_kept_copy_of_one_pair_does_not_make_another_pairs_fallback_unexpected
     # The fallback is that second pair's (every copy of rank 3 taken), expected for both faults;
     # the first pair's kept copy was a source and counted as one. Judged over the ranks of both
     # pairs at once, the kept copy made the fallback a finding.
-    soak = _soak_module()
+    soak, analysis = _soak_modules()
 
     def run(second_pair_killed):
         events = [
@@ -166,8 +170,8 @@ def test_a_kept_copy_of_one_pair_does_not_make_another_pairs_fallback_unexpected
             _event("recovery", 49.10, epoch=11 if second_pair_killed else 10, marks={"0": {"first step": 49.10}},
                    phases_s={"plan": 0.1}),
         ]
-        faults = soak.analyse(events, soak.buddies())
-        return faults, _summary(soak, faults)
+        faults = analysis.analyse(events, soak.buddies())
+        return faults, _summary(analysis, faults)
 
     faults, summary = run(second_pair_killed=True)
     assert soak.buddies()[0] == 2 and soak.buddies()[1] == 3
@@ -183,7 +187,7 @@ def test_a_kill_within_a_step_of_a_fallback_is_counted_apart_not_as_an_unexpecte
     # From a real round (seed 11's round 4): rank 2 killed 0.1 s after a recovery from the
     # checkpoint, before its first new copy reached its buddy. It falls back again (correctly:
     # there is no copy yet), and the analysis says why instead of calling it unexpected.
-    soak = _soak_module()
+    soak, analysis = _soak_modules()
 
     events = [
         _event("fault_injected", 73.86, scenario=6, scenario_kind="kill", kind="kill", rank=2),
@@ -192,9 +196,9 @@ def test_a_kill_within_a_step_of_a_fallback_is_counted_apart_not_as_an_unexpecte
                                                              "holder yet"),
         _event("recovery", 74.81, epoch=9, marks={"0": {"first step": 74.81}}, phases_s={"plan": 0.1}),
     ]
-    [fault] = soak.analyse(events, soak.buddies())
+    [fault] = analysis.analyse(events, soak.buddies())
     assert fault["outcome"] == "checkpoint" and not fault["every_copy_taken"] and fault["no_copy_yet"], fault
-    summary = _summary(soak, [fault])
+    summary = _summary(analysis, [fault])
     assert not summary["unexpected_fallbacks"] and summary["no_copy_yet_fallbacks"] == [fault]
 
 
@@ -203,7 +207,7 @@ def test_a_kill_just_after_a_fallback_whose_holders_hold_mixed_steps_is_in_the_s
     # step of a recovery from the checkpoint; some ranks' first copies had reached their
     # holders, others' not, so no version was held for every rank. The same window as above,
     # seen from the holders; the same message a second after the recovery would be a finding.
-    soak = _soak_module()
+    soak, analysis = _soak_modules()
 
     def round_with_kill_at(kill):
         return [
@@ -218,9 +222,9 @@ def test_a_kill_just_after_a_fallback_whose_holders_hold_mixed_steps_is_in_the_s
             _event("recovery", kill + 0.9, epoch=9, marks={"0": {"first step": kill + 0.9}}, phases_s={"plan": 0.1}),
         ]
 
-    [fault] = soak.analyse(round_with_kill_at(76.03), soak.buddies())
+    [fault] = analysis.analyse(round_with_kill_at(76.03), soak.buddies())
     assert fault["outcome"] == "checkpoint" and not fault["every_copy_taken"] and fault["no_copy_yet"], fault
-    [late] = soak.analyse(round_with_kill_at(76.03 + soak.WINDOW_SECONDS), soak.buddies())
+    [late] = analysis.analyse(round_with_kill_at(76.03 + analysis.WINDOW_SECONDS), soak.buddies())
     assert late["outcome"] == "checkpoint" and not late["no_copy_yet"], late
 
 
@@ -229,7 +233,7 @@ def test_a_kill_while_a_recovery_is_in_flight_that_finds_mixed_steps_is_in_the_s
     # before that recovery's first step. The abort of epoch 7 cut rank 3's push of the recovery
     # point (its holder kept 258), and rank 2's replacement held only 259: no common step. The
     # same window; a second kill after the recovery's first step finding the same would not be.
-    soak = _soak_module()
+    soak, analysis = _soak_modules()
 
     def kill_in_recovery(second, first_recovered=False):
         return [
@@ -246,11 +250,11 @@ def test_a_kill_while_a_recovery_is_in_flight_that_finds_mixed_steps_is_in_the_s
                    phases_s={"plan": 0.03}),
         ]
 
-    [fault] = soak.analyse(kill_in_recovery(40.51), soak.buddies())
+    [fault] = analysis.analyse(kill_in_recovery(40.51), soak.buddies())
     assert fault["outcome"] == "checkpoint" and not fault["every_copy_taken"] and fault["no_copy_yet"], fault
-    assert not _summary(soak, [fault])["unexpected_fallbacks"]
-    after = kill_in_recovery(40.45 + soak.WINDOW_SECONDS + 0.1, first_recovered=True)
-    [later] = soak.analyse(after, soak.buddies())
+    assert not _summary(analysis, [fault])["unexpected_fallbacks"]
+    after = kill_in_recovery(40.45 + analysis.WINDOW_SECONDS + 0.1, first_recovered=True)
+    [later] = analysis.analyse(after, soak.buddies())
     assert later["outcome"] == "checkpoint" and not later["no_copy_yet"], later
 
 
@@ -268,7 +272,7 @@ class _StalledJob:
 
 def test_a_stalled_epoch_has_every_worker_print_its_stacks_once(tmp_path):
     # A real process with soak_job.py's handler stands in for a worker stuck in a recovery.
-    soak = _soak_module()
+    soak, _ = _soak_modules()
     stderr = tmp_path / "worker.log"
     worker = subprocess.Popen([sys.executable, "-c", "import faulthandler, signal, sys, time\n"
                                "faulthandler.register(signal.SIGUSR2, all_threads=True)\n"
@@ -306,11 +310,11 @@ def test_memory_growth_is_reported_from_the_first_sample_and_after_the_warm_up()
     # A worker that grows 10% in its first seconds (its warm-up) and then 2% across a recovery:
     # the second figure starts at its first sample WARM_UP_SECONDS after its first one. A worker
     # that lived through no recovery after its warm-up is not measured across recoveries.
-    soak = _soak_module()
-    samples = [[100.0, 1000, 3], [105.0, 1100, 3], [100.0 + soak.WARM_UP_SECONDS, 1120, 3], [160.0, 1130, 4],
+    _, analysis = _soak_modules()
+    samples = [[100.0, 1000, 3], [105.0, 1100, 3], [100.0 + analysis.WARM_UP_SECONDS, 1120, 3], [160.0, 1130, 4],
                [162.0, 1142.4, 4]]
-    quiet = [[100.0, 600, 3], [100.0 + soak.WARM_UP_SECONDS, 700, 3], [150.0, 900, 3]]
-    summary = _summary(soak, [], {"7": samples, "8": [[100.0, 500, 3]], "9": quiet})
+    quiet = [[100.0, 600, 3], [100.0 + analysis.WARM_UP_SECONDS, 700, 3], [150.0, 900, 3]]
+    summary = _summary(analysis, [], {"7": samples, "8": [[100.0, 500, 3]], "9": quiet})
     assert abs(summary["memory_growth_max"] - 0.5) < 1e-9 and summary["workers_measured"] == 2
     assert abs(summary["memory_growth_after_warm_up_max"] - 0.02) < 1e-9
     assert summary["workers_measured_after_warm_up"] == 1
@@ -320,5 +324,5 @@ def test_memory_growth_is_reported_from_the_first_sample_and_after_the_warm_up()
     dipped = [[0.0, 317.2, 0], [1.8, 316.4, 1], [3.8, 317.6, 2], [11.9, 321.1, 2], [13.1, 305.8, 3],
               [15.1, 320.9, 3], [15.7, 310.6, 4], [17.7, 322.4, 4], [19.7, 321.1, 4], [20.6, 320.5, 5],
               [22.6, 321.5, 5], [24.6, 321.7, 5]]
-    summary = _summary(soak, [], {"7": dipped})
+    summary = _summary(analysis, [], {"7": dipped})
     assert abs(summary["memory_growth_after_warm_up_max"] - (321.7 / 320.9 - 1)) < 1e-9, summary
