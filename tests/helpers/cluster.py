@@ -1,40 +1,18 @@
-"""Real processes for multi-rank tests: start tests/helpers/peer.py ranks, drive them
-over loopback connections with deadlines, stop/continue/kill them with signals, and
-never leave one behind.
+"""Real processes for multi-rank tests: spawn tests/peer.py ranks, drive them over
+pipes with deadlines, stop/continue/kill them with signals, and never leave one behind."""
 
-Each rank is forked from one fork server per test process (peerstate's own, as a
-node's agent uses it), which imported torch and peerstate once: a rank is ready in
-a fraction of a second instead of an interpreter's start and torch's import (~2
-CPU-seconds, dozens of ranks in the replication tests). Each is its own session;
-it dies with the server, and the server with the test process."""
-
-import atexit
 import json
 import os
 import secrets
 import selectors
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 PEER_SCRIPT = Path(__file__).with_name("peer.py")
-PRELOAD = ["torch", "peerstate", "peerstate.replication.stopped_holder"]
-_server = None
-
-
-def _fork_server():
-    global _server
-    if _server is None or not _server.alive():
-        from peerstate.launcher.fork_server import ForkServer
-
-        log = tempfile.NamedTemporaryFile(prefix="peer-fork-server-", suffix=".log", delete=False)
-        log.close()
-        _server = ForkServer(PRELOAD, os.environ, log.name)
-        atexit.register(_server.close)
-    return _server
 
 
 class PeerError(Exception):
@@ -45,41 +23,25 @@ class PeerError(Exception):
 
 
 class Peer:
-    def __init__(self, name, timeout=120.0):
+    def __init__(self, name):
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix=f"peer-{name}-", suffix=".log", delete=False)
-        with socket.create_server(("127.0.0.1", 0)) as listener:
-            address = "127.0.0.1:%d" % listener.getsockname()[1]
-            self.proc = _fork_server().spawn([str(PEER_SCRIPT), "--connect", address], os.environ, self.log.name)
-            listener.settimeout(0.2)
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    self._connection, _ = listener.accept()
-                    break
-                except socket.timeout:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        self.kill()
-                        raise RuntimeError(f"peer {name} did not connect (exit {self.proc.poll()}); log:\n"
-                                           f"{self.log_tail()}") from None
-        self._connection.settimeout(None)
-        self._requests = self._connection.makefile("w", encoding="utf-8")
-        self._replies = self._connection.makefile("r", encoding="utf-8")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, text=True, bufsize=1, start_new_session=True,
+        )
         self._selector = selectors.DefaultSelector()
-        self._selector.register(self._connection, selectors.EVENT_READ)
+        self._selector.register(self.proc.stdout, selectors.EVENT_READ)
 
     def send(self, cmd, **args):
-        self._requests.write(json.dumps({"cmd": cmd, **args}) + "\n")
-        self._requests.flush()
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
+        self.proc.stdin.flush()
 
     def reply(self, timeout=60.0):
         """The next reply line; TimeoutError if none comes in time."""
         if not self._selector.select(timeout):
             raise TimeoutError(f"peer {self.name} did not answer within {timeout}s; log:\n{self.log_tail()}")
-        try:
-            line = self._replies.readline()
-        except ConnectionResetError:  # it died with a request unread: as the end of its output
-            line = ""
+        line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"peer {self.name} exited (code {self.proc.poll()}); log:\n{self.log_tail()}")
         return json.loads(line)
@@ -114,17 +76,13 @@ class Peer:
     def close(self):
         if self.proc.poll() is None:
             try:
-                self.send("exit")
+                self.proc.stdin.write('{"cmd": "exit"}\n')
+                self.proc.stdin.flush()
                 self.proc.wait(timeout=5)
             except (OSError, subprocess.TimeoutExpired, ValueError):
                 pass
         self.kill()
         self._selector.close()
-        for end in (self._requests, self._replies, self._connection):
-            try:
-                end.close()
-            except OSError:  # a write buffered for a peer already gone
-                pass
         self.log.close()
         os.unlink(self.log.name)
 

@@ -1,12 +1,10 @@
 """A rank for the replication tests: a real process with a SnapshotStore and a
-Replication endpoint, driven by JSON lines over a loopback connection to the test
-(``--connect HOST:PORT``; one reply line each), or on stdin and stdout without it.
-Its state at version v is a deterministic function of (rank, v), so any process
-can tell what a rank's state at v must be, bit for bit."""
+Replication endpoint, driven by JSON lines on stdin (one reply line each on
+stdout). Its state at version v is a deterministic function of (rank, v), so
+any process can tell what a rank's state at v must be, bit for bit."""
 
 import hashlib
 import json
-import socket
 import sys
 import traceback
 
@@ -150,12 +148,7 @@ def main():
 
     permit_reads_by_the_node()  # as a worker does: its siblings read it (its replacement, a same-node puller)
     peer = Peer()
-    requests, replies = sys.stdin, sys.stdout
-    if sys.argv[1:2] == ["--connect"]:
-        host, port = sys.argv[2].rsplit(":", 1)
-        test = socket.create_connection((host, int(port)))
-        requests, replies = test.makefile("r", encoding="utf-8"), test.makefile("w", encoding="utf-8")
-    for line in requests:
+    for line in sys.stdin:
         request = json.loads(line)
         command = request.pop("cmd")
         if command == "exit":
@@ -164,8 +157,7 @@ def main():
             reply = {"ok": True, **getattr(peer, command)(**request)}
         except Exception as e:  # reported to the test, which decides
             reply = {"ok": False, "error": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
+        print(json.dumps(reply), flush=True)
     if peer.replication is not None:
         peer.replication.close()
 
