@@ -38,7 +38,8 @@ class CuttableLink:
         self._sockets = []
         self._lock = threading.Lock()
         self._cut = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
 
     def _accept(self):
         while True:
@@ -80,6 +81,10 @@ class CuttableLink:
         with self._lock:
             self._cut = True
             sockets, self._sockets = self._sockets, []
+        # shutdown first: close() alone leaves accept() blocked on the closed socket, and a
+        # restart of that call would accept on whatever socket reuses the descriptor number
+        self._listener.shutdown(socket.SHUT_RDWR)
+        self._acceptor.join()
         self._listener.close()
         for end in sockets:
             try:

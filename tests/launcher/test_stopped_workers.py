@@ -29,10 +29,10 @@ def state(pid):
 @pytest.fixture
 def node(tmp_path):
     """(make(rank, index_address) -> WorkerProcess, StoppedWorkers, channel, events path);
-    every process it starts is killed at the end."""
+    every process it starts is killed, and every watch of it closed, at the end."""
     channel = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=10)
     events = tmp_path / "events.jsonl"
-    started = []
+    started, watched = [], []
 
     def make(rank, address=0):
         path = str(tmp_path / f"w{len(started)}.progress")
@@ -41,12 +41,16 @@ def node(tmp_path):
         counter.set_index_address(address)
         popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
         started.append(popen)
-        return WorkerProcess(f"n0.{len(started)}", rank, popen, counter, tmp_path / "log")
+        watched.append(WorkerProcess(f"n0.{len(started)}", rank, popen, counter, tmp_path / "log"))
+        return watched[-1]
 
     yield make, StoppedWorkers(channel, EventLog(str(events), "agent0"), hold_seconds=1.0), channel, events
     for popen in started:
         popen.kill()
         popen.wait()
+    for process in watched:
+        process.counter.close()
+        process.exit_watch.close()
 
 
 def test_a_hung_worker_is_kept_stopped_until_its_replacement_releases_it(node):

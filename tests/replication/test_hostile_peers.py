@@ -52,7 +52,8 @@ class Relay:
         self.seen = bytearray()
         self.rewritten = 0  # chunks
         self.forged = 0     # metadata
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
 
     def _accept(self):
         while True:
@@ -100,6 +101,10 @@ class Relay:
                 end.close()
 
     def close(self):
+        # shutdown first: close() alone leaves accept() blocked on the closed socket, and a
+        # restart of that call would accept on whatever socket reuses the descriptor number
+        self.listener.shutdown(socket.SHUT_RDWR)
+        self._acceptor.join()
         self.listener.close()
 
 

@@ -509,32 +509,64 @@ def test_point_to_point_waits_last_the_collective_timeout_not_the_connect_timeou
             member.wait()
 
 _MESH_MEMBER = """
+import sys, torch, torch.distributed as dist
+from peerstate.control.kvstore import TorchKeyValueStore
 from peerstate.worker.meshes import DeclaredMesh
+from peerstate.worker.process_groups import ProcessGroups
+port, rank = int(sys.argv[1]), int(sys.argv[2])
+kv = TorchKeyValueStore("127.0.0.1", port, timeout=60)
+groups = ProcessGroups("gloo")
+groups.form(kv, 0, rank=rank, world_size=2, timeout=60)
 declared = DeclaredMesh("cpu", (2, 1), ("replicate", "shard"))
-groups.add(declared, timeout=30)
+groups.add(declared, timeout=60)
 names, mesh = declared.mesh._dim_group_names, declared.mesh
 groups.destroy()
-groups.form(kv, 1, rank=RANK, world_size=2, timeout=30)
+groups.form(kv, 1, rank=rank, world_size=2, timeout=60)
 assert declared.mesh is mesh and declared.mesh._dim_group_names == names
-total = torch.tensor([RANK + 1])
+total = torch.tensor([rank + 1])
 dist.all_reduce(total, group=declared.get_group("replicate"))
-alone = torch.tensor([RANK + 1])
+alone = torch.tensor([rank + 1])
 dist.all_reduce(alone, group=declared.get_group("shard"))
 print(names, int(total), int(alone), flush=True)
+groups.destroy()
+"""
+
+_STORE = """
+import sys
+from peerstate.control.kvstore import TorchKeyValueStore
+kv = TorchKeyValueStore("127.0.0.1", 0, host_store=True, timeout=60)
+print(kv.port, flush=True)
+sys.stdin.read()  # until the test closes it
 """
 
 
-def test_a_declared_mesh_keeps_its_object_and_group_names_across_epochs(groups):
+def test_a_declared_mesh_keeps_its_object_and_group_names_across_epochs(monkeypatch):
     # The mesh (and what FSDP2, DTensors and TP plans built on it) finds groups by name:
     # the re-formed epoch's groups must come out under the old names, in the same object.
-    kv, groups = groups
-    with _peer(kv, 0, _MESH_MEMBER.replace("RANK", "1") + "groups.destroy()") as peer:
-        groups.form(kv, 0, rank=0, world_size=2, timeout=30)
-        exec(_MESH_MEMBER.replace("RANK", "0"), {"groups": groups, "kv": kv, "torch": torch, "dist": dist})
-        line = peer.communicate(timeout=60)[0].strip()
-    names, total, alone = line.rsplit(" ", 2)
-    assert (int(total), int(alone)) == (3, 2), line  # "replicate" spans both ranks; "shard" is rank 1 alone
-    assert len(eval(names)) == 2
+    # The store and both members are processes of their own, as in a job: the pytest
+    # process carries what hundreds of earlier tests left in it (threads, descriptors).
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    store = subprocess.Popen([sys.executable, "-c", _STORE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    members = []
+    try:
+        port = store.stdout.readline().strip()
+        assert port.isdigit(), store.communicate(timeout=60)
+        members = [subprocess.Popen([sys.executable, "-c", _MESH_MEMBER, port, str(rank)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        outputs = [member.communicate(timeout=240) for member in members]
+        assert [member.returncode for member in members] == [0, 0], outputs
+    finally:
+        for process in members + [store]:
+            process.kill()
+            process.wait()
+    for rank, (out, _) in enumerate(outputs):
+        names, total, alone = out.strip().rsplit(" ", 2)
+        # "replicate" spans both ranks; "shard" is each rank alone
+        assert (int(total), int(alone)) == (3, rank + 1), out
+        assert len(eval(names)) == 2
 
 
 def test_a_group_created_outside_peerstate_is_found(groups):

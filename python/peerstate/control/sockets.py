@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Callable, Iterator, Set, Tuple
+from typing import Callable, Iterator, Optional, Set, Tuple
 
 
 def open_sockets() -> Iterator[Tuple[int, str]]:
@@ -59,15 +59,17 @@ def connection_at(fd: int, port: int) -> Set[str]:
     (a client's connection to a server there, not the server's end of it); else empty."""
     try:
         inode = os.readlink(f"/proc/self/fd/{fd}")
-        sock = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return set()  # not open (or not a socket)
+        return set()  # not open
+    sock = _duplicate(fd, inode)
+    if sock is None:
+        return set()
     with sock:
         try:
             connected = sock.getpeername()[1] == port
         except OSError:
             connected = False
-    return {inode} if connected and inode.startswith("socket:") else set()
+    return {inode} if connected else set()
 
 
 def duplicates(wanted: Callable[[str], bool]) -> Iterator[socket.socket]:
@@ -76,11 +78,28 @@ def duplicates(wanted: Callable[[str], bool]) -> Iterator[socket.socket]:
     for fd, inode in open_sockets():
         if not wanted(inode):
             continue
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue  # closed meanwhile
+        sock = _duplicate(fd, inode)
+        if sock is None:
+            continue
         try:
             yield sock
         finally:
             sock.close()
+
+
+def _duplicate(fd: int, inode: str) -> Optional[socket.socket]:
+    """A socket object on a duplicate of ``fd`` if ``fd`` is still the socket ``inode``
+    (the descriptor may have been closed and its number reused by another thread since it
+    was read: the duplicate, not the number, is checked); else None."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None  # closed meanwhile
+    try:
+        same = inode.startswith("socket:") and f"socket:[{os.fstat(dup).st_ino}]" == inode
+        if same:
+            return socket.socket(fileno=dup)
+    except OSError:
+        pass
+    os.close(dup)
+    return None
