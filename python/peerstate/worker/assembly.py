@@ -1,7 +1,8 @@
 """One worker's parts, built in the order their dependencies need and handed to each
 other as they are built (``assemble``); ``WorkerParts`` holds them for ``Job`` and
-runs the two steps of their life that involve most of them: taking a rank, and
-closing in order.
+runs the steps of their life that involve most of them: tracking the state, taking
+a rank, recovering between steps, finishing, and closing in order. ``Job`` is the
+script's documented face of them.
 
 Who talks to whom: the node channel (to the agent) carries reports, instructions and
 the job's failure; the job's store only the process groups' rendezvous and the few
@@ -9,10 +10,11 @@ requests docs/recovery.md lists. ``WorkerContext`` is what the parts share."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, TypeVar, Union
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
@@ -24,6 +26,7 @@ from peerstate.control.progress import ProgressCounter
 from peerstate.control.stores import open_store
 from peerstate.control.timeline import EventLog
 from peerstate.errors import InvalidArgumentError
+from peerstate.state.training_state import optimizer_parts
 from peerstate.replication.endpoint import Replication
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.replication.stopped_holder import permit_reads_by_the_node
@@ -32,10 +35,10 @@ from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.context import WorkerContext
 from peerstate.worker.host_budget import HostMemoryBudget, node_memory
 from peerstate.worker.joiner import FORM_CONNECT_TIMEOUT, EpochJoiner, Superseded
-from peerstate.worker.membership import EpochWatcher, Membership
-from peerstate.worker.meshes import BuiltMeshes, DeclaredMesh
+from peerstate.worker.membership import EpochWatcher, Membership, MemberState, wait_for_assignment
+from peerstate.worker.meshes import BuiltMeshes, DeclaredMesh, replica_dimension
 from peerstate.worker.options import JobOptions
-from peerstate.worker.process_groups import ProcessGroups, claim_default_group, release_default_group
+from peerstate.worker.process_groups import ProcessGroups, Subgroup, claim_default_group, release_default_group
 from peerstate.worker.rebuild import DistributedWrappers
 from peerstate.worker.regroup import BusyPeerRegroup
 from peerstate.worker.report import RecoveryReport
@@ -43,10 +46,12 @@ from peerstate.worker.restorer import Restorer
 from peerstate.worker.resume import CheckpointResume
 from peerstate.worker.script_timeouts import claim_pg_timeouts, release_pg_timeouts
 from peerstate.worker.step_boundary import StepBoundary
-from peerstate.worker.step_guard import StepChecks
+from peerstate.worker.step_guard import StepChecks, StepGuard, counting_recovery_errors
 from peerstate.worker.torch_private import untested_torch
 from peerstate.worker.tracked_state import TrackedState
 from peerstate.worker.unguarded import UnguardedCollectives
+
+Declared = TypeVar("Declared", Subgroup, DeclaredMesh, BuiltMeshes)
 
 
 @dataclass
@@ -102,6 +107,101 @@ class WorkerParts:
             self.joiner.join(plan)
         except Superseded:
             self.joiner.recover()
+
+    def declare(self, what: str, make: Callable[[], Declared]) -> Declared:
+        """A subgroup or mesh the script declares with ``what`` (``make()`` builds it, once
+        the declaration is known to come in time): formed now if this epoch's group is,
+        and in every epoch."""
+        if self.tracked.tracking:
+            raise InvalidArgumentError(f"call {what} before track(): a hot spare waits in track(), and every "
+                                       "process must declare the same groups in the same order")
+        if self.membership.replacement and self.membership.rank is not None:
+            raise InvalidArgumentError(f"call {what} before wait_for_rank(): this replacement already formed its "
+                                       "epoch's groups with the survivors, who will not create this one")
+        declared = make()
+        self.groups.add(declared, self.options.join_timeout)
+        if not isinstance(declared, Subgroup):
+            self.meshes.append(declared)
+        return declared
+
+    def track(self, objects: Dict[str, Any], extras: Mapping[str, Any], data_parallel: Union[bool, str]) -> None:
+        """``Job.track``'s work up to waiting for a rank: register what is tracked (a
+        spare or a replacement, allocating it too), or resume a new job from its disk
+        checkpoint; the first optimizer step of each round starts its replication."""
+        replica_mesh, replica_dim = replica_dimension(self.meshes, data_parallel)
+        self.tracked.track(**objects, extras=extras, data_parallel=bool(data_parallel), replica_mesh=replica_mesh,
+                           replica_dim=replica_dim)
+        self.wrappers.model = objects["model"]
+        joiner = self.joiner
+        resume = self.resume.point(new_job=not (self.membership.replacement or joiner.recoveries or joiner.next_step))
+        optimizers = optimizer_parts(objects["optimizer"])  # a container's or a list's optimizers, or it
+        if self.membership.needs_state or resume:
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            for part in optimizers:
+                _init_optim_state(part)  # what a restore writes into must exist (a no-op once it does)
+        if self.membership.needs_state:
+            self.tracked.register(self.membership.rank)  # allocates too: a recovery should not fault memory in
+            if self.context.replication is not None:
+                self.boundary.replication_serves_shares()
+        elif resume:
+            joiner.next_step = self.resume.load(*resume, self.membership.rank)
+        for part in optimizers:  # the first to step starts the round; the others find it started
+            part.register_step_pre_hook(lambda *_: self.boundary.start_replication())
+
+    def restore_pending(self) -> None:
+        """A replacement's restore, once its script has tracked what it restores into."""
+        if self.restorer.pending is not None:
+            with self.counting_recovery_errors():
+                self.restorer.restore_pending()
+
+    def wait_for_rank(self) -> None:
+        """A spare: say it is ready, wait for a plan to give it a rank, and take it."""
+        self.coordinator.register_spare(self.env.worker)
+        self.events.write("spare_ready", pid=os.getpid())
+        plan, rank, certificate = wait_for_assignment(self.channel, self.env.worker, self.options.join_timeout)
+        self.events.write("spare_assigned", epoch=plan.epoch, rank=rank, job_store=self.kv.count.requests)
+        with self.counting_recovery_errors():
+            self.take_rank(plan, rank, certificate)
+
+    def recover_if_due(self) -> None:
+        """Between steps: recover if a failure was caught or a newer epoch began."""
+        membership = self.membership
+        if membership.state is MemberState.RECOVERING or self.context.watcher.latest.epoch != membership.epoch:
+            self.aborts.loop_arrived()
+            with self.progress.setting_up() if self.progress else contextlib.nullcontext(), \
+                    self.counting_recovery_errors():
+                self.joiner.recover()
+
+    def step_guard(self) -> StepGuard:
+        """The guard of the next step, once the checks before a step pass (a group
+        created outside peerstate stops the job: a replacement would run into it too)."""
+        undeclared = self.groups.describe_undeclared()
+        if undeclared:
+            raise InvalidArgumentError(self.coordinator.fail_job(f"rank {self.membership.rank}: {undeclared}"))
+        self.checks.before_step(self.joiner.next_step)
+        return StepGuard(self.context, self.joiner, self.boundary, self.regroup, self.checks.step_ended)
+
+    def finish(self, total: int) -> None:
+        """The loop is done: drain the last snapshot, report, and count as finished
+        (this process's death from here on is not a failure)."""
+        self.membership.move(MemberState.FINISHED)
+        self.boundary.drain()
+        self.events.write("memory", rank=self.membership.rank, **self.memory())  # what the run's summary shows
+        self.report.finish(total, self.membership.epoch)
+        if self.progress:
+            self.progress.finish()
+
+    def memory(self) -> Dict[str, int]:
+        """``Job.memory``."""
+        replication = self.context.replication
+        replicas = replication.replicas if replication is not None else None
+        return {**self.tracked.memory(self.membership.rank),
+                "replicas_held": replicas.held_bytes() if replicas else 0,
+                "replicas_reserved": replicas.reserved_bytes() if replicas else 0}
+
+    def counting_recovery_errors(self) -> Any:
+        return counting_recovery_errors(self.kv, self.coordinator, self.membership, lambda: self.joiner.next_step)
 
     def close(self) -> None:
         """Stop watching, serving and snapshotting, and give back what was claimed, in

@@ -22,20 +22,17 @@ in docs/snapshots-and-replication.md and docs/recovery.md.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
-import os
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 from peerstate.errors import InvalidArgumentError
-from peerstate.state.training_state import optimizer_parts
 from peerstate.worker.assembly import assemble
-from peerstate.worker.membership import MemberState, wait_for_assignment
-from peerstate.worker.meshes import BuiltMeshes, DeclaredMesh, replica_dimension
+from peerstate.worker.membership import MemberState
+from peerstate.worker.meshes import BuiltMeshes, DeclaredMesh
 from peerstate.worker.options import JobOptions
 from peerstate.worker.process_groups import Subgroup
 from peerstate.worker.rebuild import RebuildableDDP
-from peerstate.worker.step_guard import StepGuard, counting_recovery_errors
+from peerstate.worker.step_guard import StepGuard
 
 
 class Job:
@@ -108,10 +105,7 @@ class Job:
         failure hits and forms it again in every epoch. Every process calls it, in
         the same order, before ``track()`` (a spare too: it forms its subgroups when
         it is given a rank). Pass ``subgroup.group`` to collectives."""
-        self._check_declaration("new_group()")
-        subgroup = Subgroup.declared(ranks, options, self.world_size)
-        self._parts.groups.add(subgroup, self._parts.options.join_timeout)
-        return subgroup
+        return self._parts.declare("new_group()", lambda: Subgroup.declared(ranks, options, self.world_size))
 
     def device_mesh(self, device_type: str, mesh_shape: Sequence[int], *,
                     mesh_dim_names: Optional[Sequence[str]] = None) -> DeclaredMesh:
@@ -120,11 +114,8 @@ class Job:
         torch ``DeviceMesh``, the same object across recoveries (see ``meshes``).
         The same rules as ``new_group``: every process, same order, before
         ``track()``; a spare's ``.mesh`` exists once ``wait_for_rank()`` returns."""
-        self._check_declaration("device_mesh()")
-        declared = DeclaredMesh.declared(device_type, mesh_shape, mesh_dim_names, self.world_size)
-        self._parts.groups.add(declared, self._parts.options.join_timeout)
-        self._parts.meshes.append(declared)
-        return declared
+        return self._parts.declare("device_mesh()", lambda: DeclaredMesh.declared(device_type, mesh_shape,
+                                                                                   mesh_dim_names, self.world_size))
 
     def build_meshes(self, builder: Callable[[], Any], *,
                      layout: Optional[Sequence[Tuple[str, int]]] = None) -> BuiltMeshes:
@@ -136,19 +127,7 @@ class Job:
         its groups with them; ``.value`` is what the first call returned, valid across
         recoveries (see ``meshes``). ``layout``: the world mesh's (name, size) pairs, for
         ``track(data_parallel=NAME)``. The same rules as ``new_group``."""
-        self._check_declaration("build_meshes()")
-        built = BuiltMeshes.declared(builder, layout, self.world_size)
-        self._parts.groups.add(built, self._parts.options.join_timeout)
-        self._parts.meshes.append(built)
-        return built
-
-    def _check_declaration(self, what: str) -> None:
-        if self._parts.tracked.tracking:
-            raise InvalidArgumentError(f"call {what} before track(): a hot spare waits in track(), and every "
-                                       "process must declare the same groups in the same order")
-        if self._parts.membership.replacement and self.rank is not None:
-            raise InvalidArgumentError(f"call {what} before wait_for_rank(): this replacement already formed its "
-                                       "epoch's groups with the survivors, who will not create this one")
+        return self._parts.declare("build_meshes()", lambda: BuiltMeshes.declared(builder, layout, self.world_size))
 
     def track(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, loader: Any = None,
               extras: Optional[Mapping[str, Any]] = None, data_parallel: Union[bool, str] = False) -> None:
@@ -175,31 +154,10 @@ class Job:
         is then the same on the ranks along it (HSDP: ``"replicate"``, where the
         rank at the same place of every replica group holds the same shard), which
         are each other's copies in the same way."""
-        parts = self._parts
-        replica_mesh, replica_dim = replica_dimension(parts.meshes, data_parallel)
-        parts.tracked.track(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
-                            extras=extras or {}, data_parallel=bool(data_parallel), replica_mesh=replica_mesh,
-                            replica_dim=replica_dim)
-        parts.wrappers.model = model
-        resume = parts.resume.point(new_job=not (parts.membership.replacement or self.recoveries or self.next_step))
-        optimizers = optimizer_parts(optimizer)  # a container's or a list's optimizers, or it
-        if parts.membership.needs_state or resume:
-            from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-            for part in optimizers:
-                _init_optim_state(part)  # what a restore writes into must exist (a no-op once it does)
-        if parts.membership.needs_state:
-            parts.tracked.register(self.rank)  # allocates too: a recovery should not fault memory in
-            if parts.context.replication is not None:
-                parts.boundary.replication_serves_shares()
-        elif resume:
-            parts.joiner.next_step = parts.resume.load(*resume, self.rank)
-        for part in optimizers:  # the first to step starts the round; the others find it started
-            part.register_step_pre_hook(lambda *_: parts.boundary.start_replication())
+        self._parts.track(dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader), extras or {},
+                          data_parallel)
         self.wait_for_rank()
-        if parts.restorer.pending is not None:
-            with self._counting_recovery_errors():
-                parts.restorer.restore_pending()
+        self._parts.restore_pending()
 
     @property
     def extras(self) -> Dict[str, Any]:
@@ -213,10 +171,7 @@ class Job:
         state), ``snapshots_held`` (the version slots of all its stores, as allocated
         now), ``replicas_held`` and ``replicas_reserved`` (its buddies' state kept
         here; 0 for a spare without a rank)."""
-        replication = self._parts.context.replication
-        replicas = replication.replicas if replication is not None else None
-        return {**self._parts.tracked.memory(self.rank), "replicas_held": replicas.held_bytes() if replicas else 0,
-                "replicas_reserved": replicas.reserved_bytes() if replicas else 0}
+        return self._parts.memory()
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step numbers from where the job stands (0, or the step after the disk
@@ -224,36 +179,18 @@ class Job:
         between steps when a failure was caught by ``guard``."""
         parts = self._parts
         while True:
-            if parts.membership.state is MemberState.RECOVERING or parts.context.watcher.latest.epoch != self.epoch:
-                parts.aborts.loop_arrived()
-                with parts.progress.setting_up() if parts.progress else contextlib.nullcontext(), \
-                        self._counting_recovery_errors():
-                    parts.joiner.recover()
+            parts.recover_if_due()
             if self.next_step >= total:
                 break
             self._guard = None
             yield self.next_step
             if self._guard is None and parts.membership.state is not MemberState.RECOVERING:
                 raise InvalidArgumentError("wrap the body of the steps() loop in `with job.guard():`")
-        parts.membership.move(MemberState.FINISHED)
-        parts.boundary.drain()
-        parts.events.write("memory", rank=self.rank, **self.memory())  # what the run's summary shows
-        parts.report.finish(total, self.epoch)
-        if parts.progress:
-            parts.progress.finish()  # counted as finished: its death from here on is not a failure
-
-    def _counting_recovery_errors(self) -> Any:
-        parts = self._parts
-        return counting_recovery_errors(parts.kv, parts.coordinator, parts.membership, lambda: parts.joiner.next_step)
+        parts.finish(total)
 
     def guard(self) -> StepGuard:
         """Context manager for one step's body: a failure inside becomes a recovery."""
-        parts = self._parts
-        undeclared = parts.groups.describe_undeclared()
-        if undeclared:  # a replacement would run into the same: the job stops
-            raise InvalidArgumentError(parts.coordinator.fail_job(f"rank {self.rank}: {undeclared}"))
-        parts.checks.before_step(self.next_step)
-        self._guard = StepGuard(parts.context, parts.joiner, parts.boundary, parts.regroup, parts.checks.step_ended)
+        self._guard = self._parts.step_guard()
         return self._guard
 
     def guarded(self, step_function: Callable[..., Any]) -> Callable[..., Any]:
@@ -283,13 +220,7 @@ class Job:
         after being picked). Returns the rank."""
         if self.rank is not None:
             return self.rank
-        parts = self._parts
-        parts.coordinator.register_spare(parts.env.worker)
-        parts.events.write("spare_ready", pid=os.getpid())
-        plan, rank, certificate = wait_for_assignment(parts.channel, parts.env.worker, parts.options.join_timeout)
-        parts.events.write("spare_assigned", epoch=plan.epoch, rank=rank, job_store=parts.kv.count.requests)
-        with self._counting_recovery_errors():
-            parts.take_rank(plan, rank, certificate)
+        self._parts.wait_for_rank()
         return self.rank
 
     def close(self) -> None:
