@@ -163,7 +163,7 @@ AGENT = textwrap.dedent("""
         server_command = f.read().split(b"\\0")
     report = {"code": code, "threads": threads, "agent_env": os.environ.get("OMP_NUM_THREADS"),
               "agent_torch_threads": torch.get_num_threads(), "server": forks._popen.pid,
-              "server_exec": b"peerstate.launcher.fork_server" in server_command}
+              "server_exec": b"peerstate.launcher.fork_server_process" in server_command}
     forks.close()
     print(json.dumps(report), flush=True)
 """)
