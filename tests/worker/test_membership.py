@@ -1,5 +1,5 @@
-"""The member lifecycle (which transitions are allowed, what needs_state says), and a
-spare's wait for its rank on the node channel."""
+"""The member lifecycle (which transitions are allowed, what needs_state says, how the
+step counter moves), and a spare's wait for its rank on the node channel."""
 
 import threading
 
@@ -63,6 +63,31 @@ def test_a_superseded_join_keeps_what_the_member_lacks():
     survivor.end_join()
     survivor.move(S.RECOVERING)
     assert survivor.begin_join() is False and survivor.state is S.JOINING
+
+
+def test_the_step_counter_moves_by_clean_steps_rollbacks_and_a_resume_only():
+    survivor = Membership("n0.0", spare=False)
+    survivor.begin_join()
+    survivor.end_join()
+    for step in range(5):
+        survivor.step_done(step)
+    assert survivor.next_step == 5
+    with pytest.raises(InternalError, match="step 3 ended, but step 5 was the one to run"):
+        survivor.step_done(3)  # a step counted twice
+    with pytest.raises(InternalError, match="active, not joining, rolled back"):
+        survivor.rolled_back_to(2)  # only a join rolls back
+    survivor.move(S.RECOVERING)
+    survivor.begin_join()
+    # Steps 3 and 4 completed after recovery point 2's own step (3 is the recovery's): 4 runs again.
+    assert survivor.rolled_back_to(2) == 1 and survivor.next_step == 3
+    with pytest.raises(InternalError, match="a resume at step 7 after step 2 ran"):
+        survivor.resumed_at(7)  # a disk resume is a new job's, before its first step
+    replacement = Membership("n1.2", spare=True)
+    replacement.begin_join()
+    assert replacement.rolled_back_to(2) == 0 and replacement.next_step == 3  # forward: nothing replayed
+    fresh = Membership("n0.1", spare=False)
+    fresh.resumed_at(40)
+    assert fresh.next_step == 40
 
 
 def _plan(epoch, replaced):

@@ -132,20 +132,21 @@ class WorkerParts:
         self.tracked.track(**objects, extras=extras, data_parallel=bool(data_parallel), replica_mesh=replica_mesh,
                            replica_dim=replica_dim)
         self.wrappers.model = objects["model"]
-        joiner = self.joiner
-        resume = self.resume.point(new_job=not (self.membership.replacement or joiner.recoveries or joiner.next_step))
+        membership = self.membership
+        resume = self.resume.point(new_job=not (membership.replacement or self.joiner.recoveries or
+                                                membership.next_step))
         optimizers = optimizer_parts(objects["optimizer"])  # a container's or a list's optimizers, or it
-        if self.membership.needs_state or resume:
+        if membership.needs_state or resume:
             from torch.distributed.checkpoint.state_dict import _init_optim_state
 
             for part in optimizers:
                 _init_optim_state(part)  # what a restore writes into must exist (a no-op once it does)
-        if self.membership.needs_state:
-            self.tracked.register(self.membership.rank)  # allocates too: a recovery should not fault memory in
+        if membership.needs_state:
+            self.tracked.register(membership.rank)  # allocates too: a recovery should not fault memory in
             if self.context.replication is not None:
                 self.boundary.replication_serves_shares()
         elif resume:
-            joiner.next_step = self.resume.load(*resume, self.membership.rank)
+            membership.resumed_at(self.resume.load(*resume, membership.rank))
         for part in optimizers:  # the first to step starts the round; the others find it started
             part.register_step_pre_hook(lambda *_: self.boundary.start_replication())
 
@@ -179,7 +180,7 @@ class WorkerParts:
         undeclared = self.groups.describe_undeclared()
         if undeclared:
             raise InvalidArgumentError(self.coordinator.fail_job(f"rank {self.membership.rank}: {undeclared}"))
-        self.checks.before_step(self.joiner.next_step)
+        self.checks.before_step(self.membership.next_step)
         return StepGuard(self.context, self.joiner, self.boundary, self.regroup, self.checks.step_ended)
 
     def finish(self, total: int) -> None:
@@ -201,7 +202,7 @@ class WorkerParts:
                 "replicas_reserved": replicas.reserved_bytes() if replicas else 0}
 
     def counting_recovery_errors(self) -> Any:
-        return counting_recovery_errors(self.kv, self.coordinator, self.membership, lambda: self.joiner.next_step)
+        return counting_recovery_errors(self.kv, self.coordinator, self.membership, lambda: self.membership.next_step)
 
     def close(self) -> None:
         """Stop watching, serving and snapshotting, and give back what was claimed, in
@@ -249,7 +250,7 @@ def assemble(options: JobOptions) -> WorkerParts:
     groups = ProcessGroups(backend, collective_timeout=abort_timeout / 2,
                            connect_timeout=min(abort_timeout / 10, FORM_CONNECT_TIMEOUT))
     membership = Membership(env.worker, spare=env.spare)
-    claim_pg_timeouts(groups, lambda message: report_finding(channel, membership.rank, env.worker, joiner.next_step,
+    claim_pg_timeouts(groups, lambda message: report_finding(channel, membership.rank, env.worker, membership.next_step,
                                                              message, OVERRIDDEN))
     budget = HostMemoryBudget(*node_memory(), env.nproc_per_node, coordinator.fail_job)
     tracked = TrackedState(nodes, options.k, options.shares(), options.versions, options.snapshot_threads, budget)

@@ -73,7 +73,7 @@ class Job:
     @property
     def next_step(self) -> int:
         """The step the loop runs next."""
-        return self._parts.joiner.next_step
+        return self._parts.membership.next_step
 
     @property
     def recoveries(self) -> int:

@@ -76,7 +76,6 @@ class EpochJoiner:
         self.regroup = regroup  # asks for a regroup when a formation times out with nobody lost
         ceiling = groups.connect_timeout
         self.recovery_connect_timeout = min(ceiling, RECOVERY_CONNECT_TIMEOUT) if ceiling else None
-        self.next_step = 0
         self.recoveries = 0
         self._formation_timeouts = 0  # in a row, that no lost member explained
 
@@ -124,9 +123,8 @@ class EpochJoiner:
                 self.wrappers.publish_layouts(plan.epoch, rank, kept_state)
             restore = self._plan(plan, orders.restore)
             # Steps completed after the recovery point run again; the first is the recovery's own.
-            self.context.report.replayed_steps += max(0, self.next_step - restore.version - 2)
-            self.next_step = restore.version + 1
-            self.context.report.first_step_after = self.next_step
+            self.context.report.replayed_steps += membership.rolled_back_to(restore.version)
+            self.context.report.first_step_after = membership.next_step
         # Rolling back from memory overlaps the re-forming of the group: both take tens
         # of milliseconds, and neither needs the other.
         rolling = None

@@ -1,5 +1,5 @@
 """A worker's membership in the job: its lifecycle as an explicit state, its
-rank and epoch, and the watcher that learns of each new epoch."""
+rank, epoch and step counter, and the watcher that learns of each new epoch."""
 
 from __future__ import annotations
 
@@ -41,8 +41,14 @@ def allowed(current: MemberState, new: MemberState) -> bool:
 
 
 class Membership:
-    """This process's rank, epoch and lifecycle state. ``lock`` orders the
-    watcher's aborts with the main thread's joins of epochs (see ``AbortHandler``)."""
+    """This process's rank, epoch, lifecycle state and step counter. ``lock`` orders
+    the watcher's aborts with the main thread's joins of epochs (see ``AbortHandler``).
+
+    ``next_step``, the step the loop runs next, moves only three ways, each on the main
+    thread: a step ended cleanly (``step_done``), a join rolled the member back to a
+    recovery point (``rolled_back_to``), or a new job resumed from a disk checkpoint
+    before its first step (``resumed_at``); anything else is a peerstate bug
+    (InternalError), never a silently skipped or repeated step."""
 
     def __init__(self, worker: str, spare: bool) -> None:
         self.worker = worker
@@ -52,6 +58,33 @@ class Membership:
         self.replacement = spare  # joined to take a failed rank's place (its state comes from peers)
         self.lock = threading.Lock()
         self._joining_without_state = False  # JOINING's part of needs_state
+        self._next_step = 0
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+    def step_done(self, step: int) -> None:
+        """Step ``step`` ended cleanly, its boundary run: the loop runs the next one."""
+        if step != self._next_step:
+            raise InternalError(f"peerstate bug: step {step} ended, but step {self._next_step} was the one to run")
+        self._next_step = step + 1
+
+    def rolled_back_to(self, version: int) -> int:
+        """A join restores the recovery point ``version``: the loop runs the step after it
+        (a replacement's moves forward, a survivor's back). Returns the steps that run
+        again (those that had completed after the recovery point's own step)."""
+        if self.state is not MemberState.JOINING:
+            raise InternalError(f"peerstate bug: a member that is {self.state.value}, not joining, rolled back")
+        replayed = max(0, self._next_step - version - 2)
+        self._next_step = version + 1
+        return replayed
+
+    def resumed_at(self, step: int) -> None:
+        """A new job resumed from a disk checkpoint: its first step is ``step``."""
+        if self._next_step != 0:
+            raise InternalError(f"peerstate bug: a resume at step {step} after step {self._next_step - 1} ran")
+        self._next_step = step
 
     def move(self, new: MemberState) -> None:
         """Go to ``new``; InternalError for a transition the lifecycle does not allow."""

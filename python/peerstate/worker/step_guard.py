@@ -90,11 +90,11 @@ class StepGuard:
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
         joiner = self._joiner
-        step, epoch = joiner.next_step, self._membership.epoch
+        step, epoch = self._membership.next_step, self._membership.epoch
         if exc_type is None and self._context.watcher.latest.epoch == epoch:
             try:
                 self._boundary.end_step(step, time.monotonic() - self.started, epoch)
-                joiner.next_step = step + 1
+                self._membership.step_done(step)
                 self._ended(epoch)
                 return False
             except Exception:  # noqa: BLE001 - a failure during the boundary is a failure too
