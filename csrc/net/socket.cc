@@ -82,6 +82,7 @@ Socket& Socket::operator=(Socket&& other) noexcept {
     close();
     fd_ = other.fd_;
     cancel_fd_ = other.cancel_fd_;
+    closing_ = std::move(other.closing_);
     other.fd_ = -1;
   }
   return *this;
@@ -158,10 +159,14 @@ Status Socket::recv_all(void* data, size_t nbytes, Deadline deadline) {
 }
 
 void Socket::shutdown() {
+  if (closing_ == nullptr) return;  // moved from
+  std::lock_guard<std::mutex> lock(*closing_);
   if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
 }
 
 void Socket::close() {
+  if (closing_ == nullptr) return;  // moved from: nothing to close
+  std::lock_guard<std::mutex> lock(*closing_);
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
 }

@@ -9,6 +9,8 @@
 
 #include <chrono>
 #include <cstddef>
+#include <memory>
+#include <mutex>
 #include <string>
 
 #include "common/deadline.h"
@@ -30,12 +32,19 @@ class CancelSignal {
   int fd_;
 };
 
+// One thread owns a Socket (every call but shutdown()); shutdown() may come from any
+// thread at any time, close() included: the two are serialised, so a shutdown() never
+// reaches a descriptor number close() has given back (the process may have reused it
+// for another socket already: a server thread's close and a stop()'s shutdown raced so).
 class Socket {
  public:
   Socket() = default;
   explicit Socket(int fd) : fd_(fd) {}
   ~Socket() { close(); }
-  Socket(Socket&& other) noexcept : fd_(other.fd_), cancel_fd_(other.cancel_fd_) { other.fd_ = -1; }
+  Socket(Socket&& other) noexcept
+      : fd_(other.fd_), cancel_fd_(other.cancel_fd_), closing_(std::move(other.closing_)) {
+    other.fd_ = -1;
+  }
   Socket& operator=(Socket&& other) noexcept;
   Socket(const Socket&) = delete;
   Socket& operator=(const Socket&) = delete;
@@ -55,13 +64,16 @@ class Socket {
   // Receives between 1 and `max` bytes (what has arrived), waiting for the first.
   Status recv_some(void* data, size_t max, size_t* got, Deadline deadline);
 
-  void shutdown();  // thread-safe; wakes blocked callers
-  void close();
+  void shutdown();  // any thread, even racing close(); wakes blocked callers
+  void close();     // the owner's thread
 
  private:
   friend Status connect_to(const std::string&, int, Deadline, Socket*, const CancelSignal*);
   int fd_ = -1;
   int cancel_fd_ = -1;
+  // Held by close() while it gives the number back and by shutdown(); a pointer so that
+  // a Socket moves (a moved-from Socket has none, and no descriptor either).
+  std::unique_ptr<std::mutex> closing_ = std::make_unique<std::mutex>();
 };
 
 // Binds host:port (port 0 picks a free one) and listens. `bound_port` gets the port.

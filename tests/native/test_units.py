@@ -1,10 +1,12 @@
 """The core's C++ unit tests (tests/native/units: checksums, layout, version
 metadata, replica version rules, wire frames), built from the core's own sources
-with AddressSanitizer and UndefinedBehaviorSanitizer, and run. GoogleTest comes
+with AddressSanitizer and UndefinedBehaviorSanitizer, and run; and a socket's
+shutdown() racing its owner's close(), under ThreadSanitizer. GoogleTest comes
 from Debian's libgtest-dev, which the README's test command installs: without it
 the tests are skipped, except under CI, where that is a failure. A build with a
 bounds check planted out of the metadata decoder shows the pair catches an
-over-read."""
+over-read; one with shutdown()'s guard planted out, that ThreadSanitizer catches
+the race."""
 
 import re
 import subprocess
@@ -43,3 +45,18 @@ def test_a_planted_over_read_is_caught(build):
     assert result.returncode != 0
     assert "AddressSanitizer: heap-buffer-overflow" in result.stderr, result.stdout[-4000:] + result.stderr[-4000:]
     assert "decode_meta" in result.stderr, result.stderr[-4000:]
+
+
+def test_a_sockets_shutdown_from_another_thread_is_serialised_with_its_close(build):
+    # A server's stop() shuts a connection down while the connection's thread may be
+    # closing it: unserialised, the shutdown can reach a descriptor number the process
+    # has already given to another socket.
+    result = subprocess.run([str(build / "socket_race"), "--gtest_brief=1"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    assert "[  PASSED  ] 2 tests." in result.stdout, result.stdout[-4000:]
+    planted = subprocess.run([str(build / "socket_race_planted_unguarded"), "--gtest_brief=1"],
+                             capture_output=True, text=True, timeout=300)
+    assert planted.returncode != 0
+    assert "ThreadSanitizer: data race" in planted.stderr, planted.stdout[-4000:] + planted.stderr[-4000:]
+    assert "Socket::shutdown" in planted.stderr and "Socket::close" in planted.stderr, planted.stderr[-4000:]
