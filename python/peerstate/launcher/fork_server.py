@@ -17,7 +17,7 @@ of 5 workers took 13 CPU-seconds to run, 10 without it). So the agent's
 first server is forked from the agent itself, right after the agent
 imported torch under the workers' environment and before it starts any
 thread (``ForkServer``'s ``share``); a server started later (the first one
-died) is a new interpreter, ``python -m peerstate.launcher.fork_server``, as
+died) is a new interpreter, ``python -m peerstate.launcher.fork_server_process``, as
 is the first one wherever the fork is not safe.
 
 What differs from a fresh interpreter, on purpose and said here: modules
@@ -28,10 +28,10 @@ numpy's global random state is reseeded in each child (Python's ``random``
 reseeds itself at fork); the hash seed is the server's, the same in every
 worker. The server never initialises CUDA (it refuses to fork once CUDA is
 initialised: a forked CUDA context is unusable; a preloaded module's
-``torch.cuda.is_available()`` asks NVML, see ``_preload``), and it runs no thread of its
-own (numpy's OpenBLAS pool has its own fork handlers). A child ends as
-multiprocessing's forked children do (``_end_as_forked_child``): it waits for its
-non-daemon threads, runs its atexit functions (``Job.close`` among them) and
+``torch.cuda.is_available()`` asks NVML, see ``fork_server_process._preload``),
+and it runs no thread of its own (numpy's OpenBLAS pool has its own fork
+handlers). A child ends as multiprocessing's forked children do
+(``fork_server_process._end_as_forked_child``): it waits for its non-daemon threads, runs its atexit functions (``Job.close`` among them) and
 flushes, then ``os._exit``s with the exit status the script would have had,
 without the interpreter's teardown of the preloaded modules (a collection of
 torch's module graph and its C++ static destructors: 1-2 s of a loaded core at
