@@ -9,6 +9,7 @@ import shutil
 import socket
 import threading
 
+from helpers.listener import stop_accepting
 from helpers.system import missing
 from peerstate.tools.etcd_cluster import EtcdCluster as _EtcdCluster
 
@@ -81,11 +82,7 @@ class CuttableLink:
         with self._lock:
             self._cut = True
             sockets, self._sockets = self._sockets, []
-        # shutdown first: close() alone leaves accept() blocked on the closed socket, and a
-        # restart of that call would accept on whatever socket reuses the descriptor number
-        self._listener.shutdown(socket.SHUT_RDWR)
-        self._acceptor.join()
-        self._listener.close()
+        stop_accepting(self._listener, self._acceptor)
         for end in sockets:
             try:
                 end.shutdown(socket.SHUT_RDWR)

@@ -16,6 +16,7 @@ import torch
 import peerstate
 from peerstate import _C, _probes
 
+from helpers.listener import stop_accepting
 from helpers.wire_client import (ACK, CLIENT_HANDSHAKE_BYTES, ERROR, GET_CHUNK, HEADER, PUT_BEGIN, PUT_CHUNK,
                                  PUT_COMMIT, authenticate, credentials, closed_by_server, frame, meta_bytes, recv_exact)
 
@@ -101,11 +102,7 @@ class Relay:
                 end.close()
 
     def close(self):
-        # shutdown first: close() alone leaves accept() blocked on the closed socket, and a
-        # restart of that call would accept on whatever socket reuses the descriptor number
-        self.listener.shutdown(socket.SHUT_RDWR)
-        self._acceptor.join()
-        self.listener.close()
+        stop_accepting(self.listener, self._acceptor)
 
 
 def push_through_relay(protection, rewrite=True):
