@@ -4,6 +4,10 @@ import random
 import numpy as np
 import pytest
 
+# FutureWarning is an error here (pyproject.toml's filterwarnings) and in every process the tests
+# start, which inherit this: agents, fork servers, workers, the members of multi-process tests.
+os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), "error::FutureWarning"]))
+
 
 @pytest.fixture
 def rng():

@@ -233,7 +233,9 @@ for step in job.steps(args.steps):
         with job.guard():
             train_step(step)
     if args.pg_timeout and step == 1:
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=args.pg_timeout))
+        # as a script written for the installed torch calls it: public from 2.14, which deprecates the private one
+        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+        set_timeout(datetime.timedelta(seconds=args.pg_timeout))
     if args.collective_outside_guard and step == 1:
         dist.all_reduce(torch.zeros(1))
     if args.draw_after_guard:

@@ -144,7 +144,8 @@ def test_pipeline_stages_of_a_single_and_a_multi_stage_schedule(world):
 
 
 def test_an_untested_torch_is_said(monkeypatch):
-    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
-    assert torch_private.untested_torch() is None
+    for tested in ("2.13.0+cpu", "2.14.1"):
+        monkeypatch.setattr(torch, "__version__", tested)
+        assert torch_private.untested_torch() is None
     monkeypatch.setattr(torch, "__version__", "9.1.0")
-    assert "torch 9.1.0 is not a release peerstate is tested with (2.13)" in torch_private.untested_torch()
+    assert "torch 9.1.0 is not a release peerstate is tested with (2.13, 2.14)" in torch_private.untested_torch()

@@ -10,8 +10,8 @@ the installed torch (one test per reference: it fails when torch changes it).
 Where torch has a public API for the same, it is used from the release that
 has it (``set_group_timeout``: ``torch.distributed.set_timeout`` from 2.14).
 
-Tested with torch 2.13 (CI's pin): ``Job()`` says so on stderr under any other release
-(``untested_torch``).
+Tested with torch 2.13 (CI's pin: the whole suite) and 2.14 (2.14.1: the worker, control and
+recovery tests, also in CI): ``Job()`` says so on stderr under any other release (``untested_torch``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import contextlib
 import datetime
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-TESTED_TORCH = ((2, 13),)  # the releases CI runs the whole suite on
+TESTED_TORCH = ((2, 13), (2, 14))  # the releases CI runs the suite (2.13) or its torch-facing part (2.14) on
 
 
 def _c10d() -> Any:
