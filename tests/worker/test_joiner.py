@@ -47,7 +47,7 @@ def joiner(monkeypatch, tmp_path):
     joiner = EpochJoiner(context, groups, tracked=None, restorer=None, boundary=None, wrappers=None, checkpoints=None,
                          regroup=regroup)
     kv.set(keys.epoch_plan(1), RecoveryPlan(1, failed=[1], writer="agent0").encode())
-    context.watcher = EpochWatcher(kv.clone(), RecoveryPlan(1), lambda plan: groups.abort(plan.epoch))
+    context.watch(EpochWatcher(kv.clone(), RecoveryPlan(1), lambda plan: groups.abort(plan.epoch)))
     yield joiner
     joiner.watcher.stop()
     groups.destroy()

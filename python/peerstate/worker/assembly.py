@@ -95,14 +95,14 @@ class WorkerParts:
         env, context = self.env, self.context
         self.membership.rank = rank
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % env.nproc_per_node), GROUP_RANK=str(env.node))
-        context.replication = Replication(
+        context.serve(Replication(
             self.tracked.own, rank, self.placement, credentials=env.credentials(rank, certificate), host=env.host,
             replica_budget_bytes=self.options.replica_budget_bytes, protection=env.protection,
-            snapshot_every=self.boundary.snapshot_every)
+            snapshot_every=self.boundary.snapshot_every))
         if self.progress:  # if this process hangs, its replacement reads its stores from its memory
             self.progress.set_index_address(context.replication.index_stores())
         self.boundary.replication_serves_shares()  # a spare registered its share stores before its rank
-        context.watcher = EpochWatcher(self.channel.clone(), plan, self.aborts.on_new_epoch)
+        context.watch(EpochWatcher(self.channel.clone(), plan, self.aborts.on_new_epoch))
         try:
             self.joiner.join(plan)
         except Superseded:
@@ -143,7 +143,7 @@ class WorkerParts:
                 _init_optim_state(part)  # what a restore writes into must exist (a no-op once it does)
         if membership.needs_state:
             self.tracked.register(membership.rank)  # allocates too: a recovery should not fault memory in
-            if self.context.replication is not None:
+            if self.context.ranked:
                 self.boundary.replication_serves_shares()
         elif resume:
             membership.resumed_at(self.resume.load(*resume, membership.rank))
@@ -195,8 +195,7 @@ class WorkerParts:
 
     def memory(self) -> Dict[str, int]:
         """``Job.memory``."""
-        replication = self.context.replication
-        replicas = replication.replicas if replication is not None else None
+        replicas = self.context.replication.replicas if self.context.ranked else None
         return {**self.tracked.memory(self.membership.rank),
                 "replicas_held": replicas.held_bytes() if replicas else 0,
                 "replicas_reserved": replicas.reserved_bytes() if replicas else 0}
@@ -207,10 +206,7 @@ class WorkerParts:
     def close(self) -> None:
         """Stop watching, serving and snapshotting, and give back what was claimed, in
         that order (the watcher first: no abort may start while the rest closes)."""
-        if self.context.watcher is not None:
-            self.context.watcher.stop()
-        if self.context.replication is not None:
-            self.context.replication.close()
+        self.context.close()
         self.wrappers.close(timeout=self.options.abort_timeout)
         self.groups.destroy()
         release_default_group()
