@@ -15,6 +15,7 @@ pytest.importorskip("torch")
 
 from peerstate.errors import JobFailedError  # noqa: E402
 from peerstate.launcher.fork_server import DEFAULT_PRELOAD, ForkServer  # noqa: E402
+from peerstate.launcher.fork_server_process import own_interpreter_command  # noqa: E402
 from peerstate.tools.local import alive, wait_until  # noqa: E402
 
 SCRIPT = textwrap.dedent("""
@@ -87,6 +88,10 @@ ENDINGS = textwrap.dedent("""
         time.sleep(0.5)
         open(marks, "a").write("non-daemon thread finished\\n")
     threading.Thread(target=late).start()
+    class Finalised:
+        def __del__(self, open=open, marks=marks):  # the interpreter's teardown of the globals
+            open(marks, "a").write("finalised by the interpreter\\n")
+    held = Finalised()
     print("buffered, never flushed by the script", end="")
     what = sys.argv[1]
     if what == "message":
@@ -96,14 +101,23 @@ ENDINGS = textwrap.dedent("""
 """)
 
 
+def _own_interpreter(argv, env, log):
+    """A worker as the agent starts it under ``--preload ''``."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(own_interpreter_command(argv), env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("started", ["forked", "own-interpreter"])
 @pytest.mark.parametrize("how, code", [("code", 3), ("message", 1), ("end", 0)])
-def test_a_forked_worker_ends_as_its_interpreter_would(tmp_path, server, how, code):
-    # It skips the interpreter's teardown of what the server preloaded, and nothing else:
-    # its non-daemon threads finish, its atexit functions run (after them, as in
-    # Py_Finalize), its buffered output is flushed, its exit status is the script's.
+def test_a_worker_ends_as_its_interpreter_would(tmp_path, request, started, how, code):
+    # It skips the interpreter's teardown (of what the server preloaded; of a gloo group the
+    # script still holds, pytorch#190489), and nothing else: its non-daemon threads finish,
+    # its atexit functions run (after them, as in Py_Finalize), its buffered output is
+    # flushed, its exit status is the script's. Forked or in an interpreter of its own.
+    spawn = request.getfixturevalue("server").spawn if started == "forked" else _own_interpreter
     script, marks, log = tmp_path / "ending.py", tmp_path / "marks.txt", tmp_path / "ending.log"
     script.write_text(ENDINGS)
-    assert server.spawn([str(script), how, str(marks)], dict(os.environ), str(log)).wait(timeout=60) == code
+    assert spawn([str(script), how, str(marks)], dict(os.environ), str(log)).wait(timeout=60) == code
     assert marks.read_text().splitlines() == ["non-daemon thread finished", "atexit ran"]
     text = log.read_text()
     assert "buffered, never flushed by the script" in text

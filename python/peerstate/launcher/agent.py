@@ -43,6 +43,7 @@ from peerstate.launcher.inject import FaultInjector
 from peerstate.launcher.config import AgentConfig
 from peerstate.launcher.fault_delivery import FaultDelivery
 from peerstate.launcher.fork_server import ForkServer
+from peerstate.launcher.fork_server_process import own_interpreter_command
 from peerstate.launcher.processes import (WorkerProcess, describe_exit, die_with_parent, log_tail,
                                           remove_stale_counters)
 from peerstate.launcher.stopped_workers import StoppedWorkers
@@ -172,7 +173,7 @@ class Agent:
             popen = self._fork_server().spawn(config.script, env, str(log))
         else:
             with open(log, "ab") as out:
-                popen = subprocess.Popen([sys.executable, *config.script], env=env, stdout=out,
+                popen = subprocess.Popen(own_interpreter_command(config.script), env=env, stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                          preexec_fn=die_with_parent)
         self.processes[worker] = WorkerProcess(worker, rank, popen, ProgressCounter(str(counter_path)), log)

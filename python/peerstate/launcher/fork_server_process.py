@@ -3,7 +3,8 @@ the agent's side): its preload, its loop that forks a child per request and
 reports each exit, and what a forked child does to become its script and to end
 as that script would have. ``python -m peerstate.launcher.fork_server_process
 --fd N`` starts one as a new interpreter; ``fork_server._ForkedServer`` runs
-``run_server`` in a child of the agent itself.
+``run_server`` in a child of the agent itself. ``--script ARGV...`` runs a worker
+in an interpreter of its own instead (``run_worker``), ended as a forked one is.
 """
 
 from __future__ import annotations
@@ -158,9 +159,28 @@ def _become(request: dict, server: int) -> None:
     os.chdir(request["cwd"])
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # fresh entropy, as a new interpreter would draw
+    _run_script(list(request["argv"]))
+
+
+def own_interpreter_command(argv: Sequence[str]) -> List[str]:
+    """The command line of a worker that runs ``python ARGV...`` in an interpreter of its
+    own (``run_worker``)."""
+    return [sys.executable, "-m", "peerstate.launcher.fork_server_process", "--script", *argv]
+
+
+def run_worker(argv: List[str]) -> NoReturn:
+    """A worker with an interpreter of its own (``peerstate run --preload ''``:
+    ``python -m peerstate.launcher.fork_server_process --script ARGV...``): ``python
+    ARGV...``, ended as a forked worker ends. Not through the interpreter's own
+    exit: a gloo group the script still holds (a ``DeviceMesh``'s) can abort a
+    process there after its last step (pytorch#190489), and the agent would see a
+    worker that finished die."""
+    _end_as_forked_child(lambda: _run_script(argv))
+
+
+def _run_script(argv: List[str]) -> None:
     import runpy
 
-    argv = list(request["argv"])
     if argv[0] == "-m":  # as `python -m MODULE ARGS`: the working directory first on the path
         sys.argv = argv[1:]
         sys.path[0] = os.getcwd()
@@ -242,4 +262,6 @@ if __name__ == "__main__":
     # As the package's module, not as __main__: what the server forks reads its _preloaded_under.
     from peerstate.launcher import fork_server_process
 
+    if sys.argv[1:2] == ["--script"]:
+        fork_server_process.run_worker(sys.argv[2:])
     fork_server_process.main()
