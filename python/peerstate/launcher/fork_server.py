@@ -31,9 +31,10 @@ initialised: a forked CUDA context is unusable; a preloaded module's
 ``torch.cuda.is_available()`` asks NVML, see ``fork_server_process._preload``),
 and it runs no thread of its own (numpy's OpenBLAS pool has its own fork
 handlers). A child ends as multiprocessing's forked children do
-(``fork_server_process._end_as_forked_child``): it waits for its non-daemon threads, runs its atexit functions (``Job.close`` among them) and
-flushes, then ``os._exit``s with the exit status the script would have had,
-without the interpreter's teardown of the preloaded modules (a collection of
+(``fork_server_process._end_as_forked_child``): it waits for its non-daemon
+threads, runs its atexit functions (``Job.close`` among them) and flushes,
+then ``os._exit``s with the exit status the script would have had, without the
+interpreter's teardown of the preloaded modules (a collection of
 torch's module graph and its C++ static destructors: 1-2 s of a loaded core at
 every worker's exit, which the job's end waited for).
 
