@@ -56,5 +56,6 @@ void bind_net(pybind11::module_& m);
 void bind_replication(pybind11::module_& m);
 void bind_device(pybind11::module_& m);
 void bind_liveness(pybind11::module_& m);
+void bind_parity(pybind11::module_& m);
 
 }  // namespace peerstate::bindings

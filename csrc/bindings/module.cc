@@ -9,4 +9,5 @@ PYBIND11_MODULE(_C, m) {
   peerstate::bindings::bind_replication(m);
   peerstate::bindings::bind_device(m);
   peerstate::bindings::bind_liveness(m);
+  peerstate::bindings::bind_parity(m);
 }

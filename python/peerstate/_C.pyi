@@ -295,3 +295,18 @@ def nccl_load() -> Dict[str, Any]:
     """Find libnccl at run time: {version, version_code, origin}; UnavailableError says why not."""
 def nccl_unique_id() -> bytes: ...
 def nccl_transport(unique_id: bytes, nranks: int, rank: int, device: int, timeout_ms: int = 60000) -> Transport: ...
+
+class ParityCoder:
+    """Folds blocks into parity by XOR on ``threads`` threads (csrc/store/parity.h).
+    Of {parity, piece_1 .. piece_n} with parity their XOR, any one is the XOR of the
+    others: the same call encodes and rebuilds."""
+
+    def __init__(self, threads: int = 1) -> None: ...
+    @property
+    def threads(self) -> int: ...
+    def xor_blocks(self, destination: Tuple[int, int], sources: List[Tuple[int, int]],
+                   accumulate: bool = False) -> None:
+        """destination (pointer, nbytes) = XOR of the sources ((pointer, nbytes) each; bytes
+        past a source's end count as zeros), or ^= with ``accumulate``. Blocks, without the
+        GIL; the caller keeps every buffer alive. InvalidArgumentError, writing nothing,
+        for a source longer than the destination, a null pointer or an overlap."""

@@ -35,6 +35,32 @@ class PlacementWarning(UserWarning):
     """A placement that leaves copies in the same failure domain as their source."""
 
 
+def node_ring(ranks_by_node: "OrderedDict[Hashable, List[int]]",
+              rack_of_rank: Optional[Sequence[Hashable]] = None) -> List[Hashable]:
+    """The nodes in ring order: as listed, or, with racks, round-robin over the racks
+    (a node's rack is its first rank's), so that ring neighbours sit in different racks."""
+    nodes = list(ranks_by_node)
+    if rack_of_rank is None:
+        return nodes
+    by_rack: "OrderedDict[Hashable, List[Hashable]]" = OrderedDict()
+    for node in nodes:
+        by_rack.setdefault(rack_of_rank[ranks_by_node[node][0]], []).append(node)
+    ring: List[Hashable] = []
+    columns = max(len(v) for v in by_rack.values())
+    for i in range(columns):
+        ring.extend(v[i] for v in by_rack.values() if i < len(v))
+    return ring
+
+
+def warn_unseparated(said: List[str], message: str, strict: bool) -> None:
+    """Say (a PlacementWarning, also kept in ``said``) or, with ``strict``, refuse a
+    placement that leaves copies in their source's failure domain."""
+    if strict:
+        raise InvalidArgumentError(f"cannot separate failure domains: {message}")
+    said.append(message)
+    warnings.warn(message, PlacementWarning, stacklevel=3)
+
+
 class BuddyPlacement:
     """k-buddy placement over nodes (and racks).
 
@@ -82,13 +108,14 @@ class BuddyPlacement:
                 if len(members) > 1:
                     self._group_of[r] = members
             if len(members) > 1 and len({self.node_of_rank[r] for r in members}) == 1:
-                self._warn(f"replica group {members} lies on one node ({self.node_of_rank[members[0]]!r}): "
-                           "losing that node loses every copy", strict)
+                warn_unseparated(self.warnings,
+                                 f"replica group {members} lies on one node ({self.node_of_rank[members[0]]!r}): "
+                                 "losing that node loses every copy", strict)
 
         ranks_by_node: "OrderedDict[Hashable, List[int]]" = OrderedDict()
         for rank, node in enumerate(self.node_of_rank):
             ranks_by_node.setdefault(node, []).append(rank)
-        ring = self._node_ring(ranks_by_node)
+        ring = node_ring(ranks_by_node, self.rack_of_rank)
         self._ring_position = {n: i for i, n in enumerate(ring)}
 
         self._holders: Dict[int, List[int]] = {}
@@ -99,16 +126,19 @@ class BuddyPlacement:
             self._balance_bytes(list(bytes_of_rank))
 
         if len(ring) == 1:
-            self._warn(f"all {world} ranks are on one node ({ring[0]!r}): buddies share the node, so a node "
-                       "failure loses every copy; use several nodes for real protection", strict)
+            warn_unseparated(self.warnings,
+                             f"all {world} ranks are on one node ({ring[0]!r}): buddies share the node, so a node "
+                             "failure loses every copy; use several nodes for real protection", strict)
         elif len(ring) - 1 < k:
-            self._warn(f"k={k} copies need {k} other nodes but there are only {len(ring) - 1}: some copies "
-                       "share a node with their source", strict)
+            warn_unseparated(self.warnings,
+                             f"k={k} copies need {k} other nodes but there are only {len(ring) - 1}: some copies "
+                             "share a node with their source", strict)
         if self.rack_of_rank is not None and len(set(self.rack_of_rank)) > 1:
             same_rack = [r for r, hs in self._holders.items() for h in hs if self.rack_of_rank[h] == self.rack_of_rank[r]]
             if same_rack:
-                self._warn(f"ranks {sorted(set(same_rack))} have a buddy in their own rack: the racks are too "
-                           "uneven to separate every copy", strict)
+                warn_unseparated(self.warnings,
+                                 f"ranks {sorted(set(same_rack))} have a buddy in their own rack: the racks are too "
+                                 "uneven to separate every copy", strict)
 
     def _ring_holders(self, rank: int, ring: List[Hashable], ranks_by_node: "OrderedDict") -> List[int]:
         """The ranks with ``rank``'s local index on the next k nodes of the ring."""
@@ -162,25 +192,6 @@ class BuddyPlacement:
                 holders.append(best)
                 load[best] += sizes[rank]
             self._holders[rank] = holders
-
-    def _node_ring(self, ranks_by_node: "OrderedDict[Hashable, List[int]]") -> List[Hashable]:
-        nodes = list(ranks_by_node)
-        if self.rack_of_rank is None:
-            return nodes
-        by_rack: "OrderedDict[Hashable, List[Hashable]]" = OrderedDict()
-        for node in nodes:
-            by_rack.setdefault(self.rack_of_rank[ranks_by_node[node][0]], []).append(node)
-        ring: List[Hashable] = []
-        columns = max(len(v) for v in by_rack.values())
-        for i in range(columns):  # round-robin over racks: ring neighbours sit in different racks
-            ring.extend(v[i] for v in by_rack.values() if i < len(v))
-        return ring
-
-    def _warn(self, message: str, strict: bool) -> None:
-        if strict:
-            raise InvalidArgumentError(f"cannot separate failure domains: {message}")
-        self.warnings.append(message)
-        warnings.warn(message, PlacementWarning, stacklevel=3)
 
     def holders(self, rank: int) -> List[int]:
         """The ranks that keep a copy of ``rank``'s snapshot (empty for a replica-group member)."""
