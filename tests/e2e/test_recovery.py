@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from helpers.jobs import FAST, STEPS, Job, assert_bitwise  # noqa: E402
 
 from peerstate.control.environment import ABORT_DEADLINE_EXIT_CODE  # noqa: E402
+from peerstate.control.memory_figures import MEMORY_FIELDS  # noqa: E402
 from peerstate.worker.checkpoint import latest_checkpoint  # noqa: E402
 
 
@@ -48,6 +49,15 @@ def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
     assert not job.events("rng_changed_after_restore")  # the replacement's script kept its restored RNG
     memory = {m["rank"]: m for m in job.events("memory")}  # Job.memory() at the end, per rank
     assert sorted(memory) == [0, 1, 2, 3], memory
+    # Each survivor said it once allocated too, at its first step: the same figures (nothing grows).
+    said = {rank: [m for m in job.events("memory") if m["rank"] == rank] for rank in (0, 1, 3)}
+    for rank, (start, end) in said.items():
+        assert start["time"] < end["time"] and start["node_share"] > 0, said
+        assert {k: start[k] for k in MEMORY_FIELDS} == {k: end[k] for k in MEMORY_FIELDS}, said
+    for node, ranks in ((0, 3), (1, 2)):  # and the run's summary, per node (node 0's spare took rank 2)
+        line = (rf"peerstate: node {node}: host memory a rank holds for recoveries \(the most of {ranks} ranks\): "
+                r"its snapshots [\d.]+ MB \([\d.]+x what it copies a step")
+        assert re.search(line, job.agent_logs[node].read_text()), job.agent_logs[node].read_text()[-3000:]
     if not script_args:  # all of a rank's state goes to its buddy, which holds two versions of it
         for m in memory.values():
             per, in_pages = m["snapshot_per_version"], -(-m["snapshot_per_version"] // mmap.PAGESIZE) * mmap.PAGESIZE

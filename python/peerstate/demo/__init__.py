@@ -156,7 +156,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     baseline = _restart_baseline(out, out / "faulty" / "checkpoint", model_args, args.timeout)
     check = _bitwise(out / "reference" / "final.pt", out / "faulty" / "final.pt")
-    from peerstate.demo.report import MEMORY_FIELDS, draw, summary
+    from peerstate.control.memory_figures import MEMORY_FIELDS, latest_per_rank
+    from peerstate.demo.report import draw, summary
 
     recoveries = faulty.events("recovery")
     [end] = faulty.events("job_end") or [{}]
@@ -165,7 +166,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "reference": _losses(reference), "faulty": _losses(faulty),
         "injected": [e for e in faulty.events("fault_injected")],
         "recoveries": recoveries, "goodput": end.get("goodput"), "job_end": end,
-        "memory": {e["rank"]: {k: e[k] for k in MEMORY_FIELDS} for e in faulty.events("memory")},
+        "memory": {rank: {k: e.get(k) for k in (*MEMORY_FIELDS, "node_share")}
+                   for rank, e in latest_per_rank(faulty.events("memory")).items()},
         "restart_baseline": baseline, "bitwise": check,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))

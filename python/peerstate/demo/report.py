@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from peerstate.control.memory_figures import describe_memory
+
 PHASE_COLORS = {"detect": "#d55e00", "plan": "#cc79a7", "abort": "#e69f00", "re-form": "#f0e442", "transfer": "#009e73",
                 "restore": "#56b4e9", "first step": "#0072b2"}
 BASELINE_COLORS = ("#bbbbbb", "#888888", "#555555")
-MEMORY_FIELDS = ("snapshot_per_version", "snapshots_held", "replicas_held", "replicas_reserved")  # Job.memory()
 
 
 def _fault_step(event: dict):
@@ -30,12 +31,7 @@ def summary(report: dict) -> str:
                      f"which {end['lost_s']:.2f}s lost to failures; a fault-free step takes "
                      f"{end['median_step_s']:.3f}s)")
     if report.get("memory"):
-        most = {field: max(m[field] for m in report["memory"].values()) for field in MEMORY_FIELDS}
-        copied = most["snapshot_per_version"] or 1
-        lines.append(f"host memory a rank holds for recoveries (the most of {len(report['memory'])} ranks): its "
-                     f"snapshots {most['snapshots_held'] / 1e6:.1f} MB ({most['snapshots_held'] / copied:.1f}x what "
-                     f"it copies a step, {copied / 1e6:.1f} MB), its buddies' replicas "
-                     f"{most['replicas_held'] / 1e6:.1f} MB")
+        lines.append(describe_memory(report["memory"]))
     baseline = report["restart_baseline"]
     parts = ", ".join(f"{k} {v:.2f}s" for k, v in baseline["phases_s"].items())
     lines.append(f"restart from a checkpoint on local disk, same state: {baseline['total_s']:.2f}s to the first "

@@ -35,9 +35,11 @@ from peerstate.control import progress as progress_file
 from peerstate.control.environment import SCRIPT_DEFAULT_GROUP, STACKS_SIGNAL, WorkerEnvironment, job_secret
 from peerstate.control.findings import FindingsReader
 from peerstate.control.kvstore import TorchKeyValueStore, store_gone
+from peerstate.control.memory_figures import MEMORY_EVENT, describe_memory, latest_per_rank
 from peerstate.control.node_control import NodeControl
+from peerstate.control.planning import node_of_worker
 from peerstate.control.progress import ProgressCounter
-from peerstate.control.timeline import EventLog
+from peerstate.control.timeline import EventLog, read_events
 from peerstate.errors import InvalidArgumentError, JobFailedError, StoreUnavailableError
 from peerstate.launcher.inject import FaultInjector
 from peerstate.launcher.config import AgentConfig
@@ -224,6 +226,7 @@ class Agent:
                 if tick.finished >= self.world_size and not self._live_workers():
                     self.kv.set(keys.node_done(self.node), b"1")
                     self.events.write("agent_done", node=self.node)
+                    self._say_memory()
                     self.findings.say_all(f"node {self.node}'s ranks finished")
                     if self.hosts_store:
                         self._outlive_other_nodes()
@@ -233,6 +236,16 @@ class Agent:
                 self.control.check_leases(time.monotonic())  # not ``now``: the calls above may have waited
                 self._refill()
             time.sleep(POLL_SECONDS)
+
+    def _say_memory(self) -> None:
+        """The run's summary: the host memory this node's ranks held for recoveries (the
+        log may be shared with other nodes' agents: only this node's workers count)."""
+        path = self.log_dir / "events.jsonl"
+        memory = latest_per_rank(e for e in (read_events(str(path)) if path.exists() else [])
+                                 if e.get("event") == MEMORY_EVENT and str(e.get("source")).startswith("n")
+                                 and node_of_worker(e["source"]) == self.node)
+        if memory:
+            print(f"peerstate: node {self.node}: {describe_memory(memory)}", file=sys.stderr, flush=True)
 
     def _outlive_other_nodes(self) -> None:
         """Node 0 hosts the store, so it stays until every other node is done or declared

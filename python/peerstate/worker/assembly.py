@@ -188,17 +188,14 @@ class WorkerParts:
         (this process's death from here on is not a failure)."""
         self.membership.move(MemberState.FINISHED)
         self.boundary.drain()
-        self.events.write("memory", rank=self.membership.rank, **self.memory())  # what the run's summary shows
+        self.boundary.report_memory()  # what the run's summary shows
         self.report.finish(total, self.membership.epoch)
         if self.progress:
             self.progress.finish()
 
     def memory(self) -> Dict[str, int]:
         """``Job.memory``."""
-        replicas = self.context.replication.replicas if self.context.ranked else None
-        return {**self.tracked.memory(self.membership.rank),
-                "replicas_held": replicas.held_bytes() if replicas else 0,
-                "replicas_reserved": replicas.reserved_bytes() if replicas else 0}
+        return self.boundary.memory()
 
     def counting_recovery_errors(self) -> Any:
         return counting_recovery_errors(self.kv, self.coordinator, self.membership, lambda: self.membership.next_step)

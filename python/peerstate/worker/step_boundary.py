@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Optional
 
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
+from peerstate.control.memory_figures import MEMORY_EVENT
 from peerstate.control.progress import ProgressCounter
 from peerstate.errors import AbortedError
 from peerstate.replication.endpoint import Replication
@@ -126,6 +127,21 @@ class StepBoundary:
         self.replication_serves_shares()
         publish_size(self._kv, self.rank, self.tracked.own.memory()["bytes_per_version"])
         self._reserve_replicas()
+        self.report_memory()
+
+    def memory(self) -> Dict[str, int]:
+        """``Job.memory``: this rank's stores, and the replicas it holds once it has a rank."""
+        replicas = self.replication.replicas if self._context.ranked else None
+        return {**self.tracked.memory(self.rank),
+                "replicas_held": replicas.held_bytes() if replicas else 0,
+                "replicas_reserved": replicas.reserved_bytes() if replicas else 0}
+
+    def report_memory(self) -> None:
+        """Write ``memory()`` to the event log, with the rank's share of its node's memory
+        (what the run's summary says: ``control.memory_figures``)."""
+        budget = self.tracked.budget
+        self._report.events.write(MEMORY_EVENT, rank=self.rank, node_share=budget.share if budget else None,
+                                  **self.memory())
 
     def _reserve_replicas(self) -> None:
         epoch = self._membership.epoch
