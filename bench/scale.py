@@ -13,7 +13,7 @@ layout: 8 shares, a buddy on the next node; one DDP wrapper), in the same run:
   hands torch, which reads them once per node, ``control.node_rendezvous``,
   with torch's TCPStore client). One real TCPStore; every node has its own
   connections; the nodes are multiplexed on threads in ``--processes`` processes, by default one per
-  64 nodes, 2 to 32, plus one for the plan writer's node alone
+  16 nodes, 4 to 32, plus one for the plan writer's node alone
   (``_writer_apart``). One rank is failed: its node's agent writes the plan,
   every node reports once, the plan writer writes one entry per node, every
   agent hands its members theirs, the members form the group, the
@@ -411,7 +411,7 @@ def main() -> None:
     parser.add_argument("--sizes", default=None, help="comma-separated rank counts (multiples of 8)")
     parser.add_argument("--baseline-max", type=int, default=None, help="largest size the baseline runs at")
     parser.add_argument("--processes", type=int, default=0,
-                        help="processes the simulated agents share (default: one per 64 nodes, 2 to 32)")
+                        help="processes the simulated agents share (default: one per 16 nodes, 4 to 32)")
     parser.add_argument("--etcd", action="store_true",
                         help="also run ours over a 1-member etcd on loopback (needs the etcd binary): the etcd_s "
                              "column, in the same run; writes scale_etcd.json")
@@ -452,10 +452,11 @@ def _measure(args, sizes: List[int], baseline_max: int, etcd) -> None:
           f"{'steady/node/s':>13} {'base_steady/node/s':>18}", flush=True)
     for ranks in sizes:
         nnodes = ranks // NPROC
-        # One process per 64 simulated nodes: each packs 64 agents' threads under one interpreter lock,
-        # whose hand-offs cost the kernel more than the protocol costs Python past that (an agent has a
-        # process of its own): at 16,384 ranks, 16 processes took 10-15 s, 32 took 5-7 s.
-        processes = args.processes or min(32, max(2, nnodes // 64))
+        # One process per 16 simulated nodes, 4 to 32: a process packs its agents' threads under one
+        # interpreter lock, whose hand-offs cost the kernel more than the protocol costs Python (an agent
+        # has a process of its own). At 16,384 ranks 16 processes took 10-15 s, 32 took 5-7 s, 48 no
+        # less; at 1,024 ranks 2 processes gave 14.5-18.8x the baseline, 4 gave 20.1-25.0x, 8 26x.
+        processes = args.processes or min(32, max(4, nnodes // 16))
         ours = measure_ours(nnodes, processes)
         over_etcd = measure_ours(nnodes, processes, etcd) if etcd else None
         base = measure_baseline(nnodes, processes) if ranks <= baseline_max else None
