@@ -25,10 +25,15 @@ step (it pushes only its own small state: the data-parallel state is on every
 rank already); with the breakdown, whose copy limit is the figure to compare the
 overhead with.
 
+``--versions 3``: the job's eager pipeline (``Job(versions=3)``: each version copied
+at its step's end and its push waited for at the next optimizer step), one version
+fewer in memory; its own capture-off blocks are its baseline.
+
 Run: python bench/overhead.py [--quick] [--workers-per-node N] [--data-parallel-shares N] [--breakdown]
-[--model demo|100m]
+[--model demo|100m] [--versions N]
 (writes bench/results/overhead.json; overhead_shares{N}.json with --data-parallel-shares;
-overhead_breakdown.json with --breakdown; overhead_100m.json with --model 100m)
+overhead_breakdown.json with --breakdown; overhead_100m.json with --model 100m; the name
+ends in _versions{N} with --versions other than 4)
 """
 
 import argparse
@@ -54,9 +59,9 @@ MODELS = {"demo": [], "100m": ["--width", "768", "--layers", "14", "--heads", "1
 
 
 def run(blocks: int, block_steps: int, workers_per_node: int = 2, shares: Optional[int] = None,
-        timeout: float = 900.0, breakdown: bool = False, model: str = "demo") -> dict:
+        timeout: float = 900.0, breakdown: bool = False, model: str = "demo", versions: int = 4) -> dict:
     script = [str(HERE / "overhead_job.py"), "--blocks", str(blocks), "--block-steps", str(block_steps),
-              *MODELS[model]]
+              "--versions", str(versions), *MODELS[model]]
     if shares is not None:
         script += ["--data-parallel-shares", str(shares)]
     if breakdown:
@@ -116,6 +121,8 @@ def main() -> None:
     parser.add_argument("--data-parallel-shares", type=int, default=None,
                         help="Job(data_parallel_shares=N); default: one share per worker of a node")
     parser.add_argument("--breakdown", action="store_true", help="time the step boundary's parts too")
+    parser.add_argument("--versions", type=int, default=4,
+                        help="Job(versions=N): 3 runs the eager pipeline (the copy and the push on the step's path)")
     args = parser.parse_args()
     large = args.model == "100m"
     args.breakdown = args.breakdown or large
@@ -125,9 +132,9 @@ def main() -> None:
     shares = args.data_parallel_shares or per_node
     print(f"step overhead of every-step capture: {'99.3M-parameter' if large else 'demo'} GPT, {workers} workers "
           f"on {os.cpu_count()} cores, {blocks} interleaved blocks of {block_steps} steps, data-parallel state in "
-          f"{shares} share(s)")
+          f"{shares} share(s), {args.versions} versions")
     result = run(blocks, block_steps, per_node, args.data_parallel_shares, breakdown=args.breakdown,
-                 timeout=3600.0 if large else 900.0, model=args.model)
+                 timeout=3600.0 if large else 900.0, model=args.model, versions=args.versions)
     wall, cpu = summarize(result["wall"]), summarize(result["cpu"])
     print(f"{'per step (median)':<34}{'capture off':>12}{'capture on':>12}{'overhead: mean of block pairs':>31}"
           f"{'std':>7}{'min':>9}{'max':>9}")
@@ -149,6 +156,8 @@ def main() -> None:
         path = RESULTS.with_name("overhead_breakdown.json")
     if large:
         path = RESULTS.with_name("overhead_100m.json")
+    if args.versions != 4:
+        path = path.with_name(f"{path.stem}_versions{args.versions}.json")
     path.parent.mkdir(exist_ok=True)
     rows = [{"case": f"every-step snapshot + replication, {measure}", "ours_s": summary["capture_on_s"],
              "limit_s": summary["capture_off_s"], "ratio": summary["capture_on_s"] / summary["capture_off_s"]}
@@ -158,7 +167,7 @@ def main() -> None:
                      "limit_s": result["breakdown"]["copy_s"], "ratio": added / result["breakdown"]["copy_s"]})
     path.write_text(json.dumps({
         "benchmark": "overhead", "time": time.time(), "model": args.model, "workers": workers, "cores": os.cpu_count(),
-        "data_parallel_shares": shares, "breakdown": result.get("breakdown"),
+        "data_parallel_shares": shares, "versions": args.versions, "breakdown": result.get("breakdown"),
         "summary": wall, "cpu_summary": cpu, "blocks": result["wall"]["blocks"], "cpu_blocks": result["cpu"]["blocks"],
         "rows": rows}, indent=1))
     print(f"wrote {path}")

@@ -23,6 +23,7 @@ parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--heads", type=int, default=4)
 parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--data-parallel-shares", type=int, default=None)
+parser.add_argument("--versions", type=int, default=4)
 parser.add_argument("--breakdown", action="store_true", help="time the boundary's parts (see step_breakdown)")
 args = parser.parse_args()
 torch.set_num_threads(1)
@@ -33,7 +34,7 @@ if args.breakdown:
     from step_breakdown import Instrumented, copy_limit
 
     instrumented = Instrumented()
-job = peerstate.Job(data_parallel_shares=args.data_parallel_shares)
+job = peerstate.Job(data_parallel_shares=args.data_parallel_shares, versions=args.versions)
 torch.manual_seed(0)
 model = TinyGPT(len(batches.vocabulary), width=args.width, layers=args.layers, heads=args.heads)
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -24,8 +24,9 @@ def recoveries(job):
     return job.events("recovery")
 
 
-@pytest.mark.parametrize("script_args", [[], ["--data-parallel"], ["--data-parallel", "--data-parallel-shares", "1"]],
-                         ids=["replicated", "data-parallel", "data-parallel-full-copies"])
+@pytest.mark.parametrize("script_args", [[], ["--data-parallel"], ["--data-parallel", "--data-parallel-shares", "1"],
+                                         ["--versions", "3"], ["--versions", "3", "--data-parallel"]],
+                         ids=["replicated", "data-parallel", "data-parallel-full-copies", "eager", "eager-data-parallel"])
 def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
     job = run(script_args=script_args)
     job.wait_for_step(2, 10)
@@ -58,13 +59,14 @@ def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
         line = (rf"peerstate: node {node}: host memory a rank holds for recoveries \(the most of {ranks} ranks\): "
                 r"its snapshots [\d.]+ MB \([\d.]+x what it copies a step")
         assert re.search(line, job.agent_logs[node].read_text()), job.agent_logs[node].read_text()[-3000:]
-    if not script_args:  # all of a rank's state goes to its buddy, which holds two versions of it
+    if "--data-parallel" not in script_args:  # all of a rank's state goes to its buddy, which holds two versions
+        versions = 3 if "--versions" in script_args else 4  # the eager pipeline's, or the lazy one's
         for m in memory.values():
             per, in_pages = m["snapshot_per_version"], -(-m["snapshot_per_version"] // mmap.PAGESIZE) * mmap.PAGESIZE
-            assert per > 0 and m["snapshots_held"] == 4 * in_pages, memory  # 4 versions, each in whole pages
+            assert per > 0 and m["snapshots_held"] == versions * in_pages, memory  # each version in whole pages
             assert m["replicas_reserved"] == 2 * per and m["replicas_held"] == 2 * in_pages, memory
     pulled = {p["rank"]: p for p in job.events("pulled")}
-    if script_args == ["--data-parallel"]:
+    if script_args[-1:] == ["--data-parallel"]:
         # Two data-parallel shares (one per rank of a node; rank r holds share r % 2). The
         # survivors pulled the share they lack, the replacement both.
         assert {r: (p["shares"], p["replacement"]) for r, p in pulled.items()} == \
@@ -549,9 +551,10 @@ def test_a_loop_that_cannot_leave_its_call_gives_its_rank_to_a_spare(run, refere
     assert exits == [ABORT_DEADLINE_EXIT_CODE]
 
 
-@pytest.mark.parametrize("data_parallel", [False, True], ids=["replicated", "data-parallel"])
-def test_whole_node_killed(run, reference, data_parallel):
-    job = run(script_args=["--data-parallel"] if data_parallel else [])
+@pytest.mark.parametrize("script_args", [[], ["--data-parallel"], ["--versions", "3"]],
+                         ids=["replicated", "data-parallel", "eager"])
+def test_whole_node_killed(run, reference, script_args):
+    job = run(script_args=script_args)
     job.wait_for(lambda: job.spare_pids(), "the spare")
     job.wait_for_step(2, 10)
     job.kill_node(1)

@@ -23,6 +23,7 @@ parser.add_argument("--out", default=None)
 parser.add_argument("--fail-at-import", action="store_true")
 parser.add_argument("--data-parallel", action="store_true", help="track(data_parallel=True)")
 parser.add_argument("--data-parallel-shares", type=int, default=None, help="Job(data_parallel_shares=N)")
+parser.add_argument("--versions", type=int, default=4, help="Job(versions=N): 3 runs the eager pipeline")
 parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
 parser.add_argument("--trace", action="store_true", help="print a digest of the parameters at each step")
 parser.add_argument("--width", type=int, default=64)
@@ -82,7 +83,7 @@ torch.set_num_threads(1)
 if args.init_process_group == "before":
     torch.distributed.init_process_group("gloo")
 job = peerstate.Job(join_timeout=60.0, failure_grace=args.failure_grace, abort_timeout=args.abort_timeout,
-                    data_parallel_shares=args.data_parallel_shares)
+                    data_parallel_shares=args.data_parallel_shares, versions=args.versions)
 if args.init_process_group == "after":
     torch.distributed.init_process_group("gloo")
 hold_rank, hold_step = map(int, args.hold.split(":")) if args.hold else (None, None)

@@ -9,13 +9,15 @@ from peerstate.worker.options import DATA_PARALLEL_SHARES_VARIABLE, JobOptions
 
 
 def test_fewer_versions_than_a_recovery_can_need_are_refused_by_the_job_itself():
-    # A survivor's newest version can be 3 ahead of the newest a lost rank's buddy
-    # surely holds (JobOptions's docstring says why): 3 slots can leave no common step.
-    # Job() refuses before it reads its environment or connects anywhere.
+    # The eager pipeline needs 3 slots (a survivor's newest version can be 2 ahead of
+    # the newest a lost rank's buddy surely holds; JobOptions's docstring says why), the
+    # lazy one 4: 2 can leave no common step. Job() refuses before it reads its
+    # environment or connects anywhere, and says what 3 and 4 cost.
     import peerstate
 
-    with pytest.raises(InvalidArgumentError, match=r"versions >= 4 \(got 1, 3\)"):
-        peerstate.Job(versions=3)
+    with pytest.raises(InvalidArgumentError, match=r"versions >= 3 \(got 1, 2\).*3 copies each version at its step"):
+        peerstate.Job(versions=2)
+    assert JobOptions(versions=3).versions == 3
 
 
 @pytest.mark.parametrize("options, named", [

@@ -253,7 +253,7 @@ def assemble(options: JobOptions) -> WorkerParts:
     report = RecoveryReport(kv, channel, events, env.world_size)
     context = WorkerContext(membership, kv, channel, coordinator, events, report, placement, env.world_size,
                             join_timeout, options.failure_grace)
-    boundary = StepBoundary(context, tracked, checkpoints, progress, options.snapshot_every)
+    boundary = StepBoundary(context, tracked, checkpoints, progress, options.snapshot_every, options.versions)
     # The same script without the capture, for the benchmarks' baselines (no failure is survivable).
     boundary.capture = os.environ.get("PEERSTATE_CAPTURE", "1") != "0"
     resume = CheckpointResume(kv, checkpoints, boundary, tracked, events)

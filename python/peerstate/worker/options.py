@@ -20,12 +20,16 @@ class JobOptions:
     Attributes:
         snapshot_every: snapshot (and replicate) every N steps; a failure costs at
             most N steps of work.
-        versions: snapshot versions kept per rank, >= 4. A member's newest version
-            (in flight) can be 3 ahead of the newest that another rank's buddy
-            surely committed: that rank pushes v at the optimizer step of v+1,
-            after waiting there for the push of v-1, so while it is inside step
-            v+2 (which the member may have finished) only v-1 is certain. The
-            member must then still hold v-1 to roll back to it.
+        versions: snapshot versions kept per rank: 4 or more (the default, 4), or 3.
+            With 4 the pipeline is lazy: a rank copies version v during the forward
+            and backward of v+1 and pushes it from the optimizer step of v+1, after
+            waiting there for the push of v-1, so while it is inside step v+2 (which
+            a member may have finished) only v-1 is certain at its buddy, and the
+            member must still hold v-1, 3 behind its newest. With 3 it is eager: v
+            is copied at its boundary (the step waits for the copy: what a plain
+            memcpy of the state costs) and pushed at once, and the optimizer step of
+            v+1 waits for the push to land (only for what of it outlasts a forward
+            and backward): one version fewer in every store (``StepBoundary``).
         k: copies of each rank's state on other ranks.
         backend: "gloo" or "nccl" (default: nccl when CUDA is available).
         checkpoint_dir: where a disk checkpoint (torch.distributed.checkpoint) is
@@ -87,10 +91,11 @@ class JobOptions:
             raise InvalidArgumentError(f"abort_timeout must be positive and shorter than join_timeout, which the "
                                        f"other members wait for this one (got {self.abort_timeout} and "
                                        f"{self.join_timeout})")
-        if self.snapshot_every < 1 or self.versions < 4:
-            raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 4 (got {self.snapshot_every}, "
+        if self.snapshot_every < 1 or self.versions < 3:
+            raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 3 (got {self.snapshot_every}, "
                                        f"{self.versions}): fewer versions can leave no step that every rank still "
-                                       "holds")
+                                       "holds (3 copies each version at its step's end and waits for its push at "
+                                       "the next optimizer step; 4, the default, waits for neither)")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise InvalidArgumentError("checkpoint_every needs a checkpoint_dir")
 

@@ -65,14 +65,27 @@ def reserve_replicas(kv: KeyValueStore, replication: Replication, placement: Bud
         replication.reserve(sizes)
 
 
+EAGER_VERSIONS = 3  # the versions of the eager pipeline (StepBoundary); the lazy one needs one more
+
+
 class StepBoundary:
     """Snapshots each ``snapshot_every``-th step as its version and streams it to
-    the buddies one step later. ``capture = False`` skips both (for overhead
-    measurements only). The first boundary registers the tracked state (the
-    optimizer's state exists only after its first step)."""
+    the buddies. ``capture = False`` skips both (for overhead measurements only).
+    The first boundary registers the tracked state (the optimizer's state exists
+    only after its first step).
+
+    Two pipelines, chosen by ``versions`` (``JobOptions.versions``):
+    - lazy (4 or more, the default): version v is copied during the forward and
+      backward of v+1, pushed from the optimizer step of v+1 and waited for at
+      that of v+2. Nothing waits on the step's path, but a rank inside step x is
+      sure only of x-3 at its holders, so members keep 4 versions.
+    - eager (3): v is copied at its boundary (the step waits for the copy),
+      pushed at once, and waited for at the optimizer step of v+1 (the step waits
+      only for what of the push outlasts a forward and backward). A rank inside
+      step x is sure of x-2: one version fewer in every store."""
 
     def __init__(self, context: WorkerContext, tracked: TrackedState, checkpoints: DiskCheckpoints,
-                 progress: Optional[ProgressCounter], snapshot_every: int) -> None:
+                 progress: Optional[ProgressCounter], snapshot_every: int, versions: int = 4) -> None:
         self._context = context
         self._membership = context.membership
         self.tracked = tracked
@@ -82,6 +95,7 @@ class StepBoundary:
         self._report = context.report
         self._progress = progress
         self.snapshot_every = snapshot_every
+        self.eager = versions == EAGER_VERSIONS
         self._join_timeout = context.join_timeout
         self.capture = True
         self._pending_version: Optional[int] = None  # snapshotted, not yet replicated
@@ -114,6 +128,8 @@ class StepBoundary:
             for store in self.tracked.snapshotted(self.rank):
                 store.snapshot(step)
             self._pending_version = step
+            if self.eager:
+                self.start_replication()
         if self._checkpoints.due(step):
             self._checkpoints.save(step, self.rank)
         report.end_step(step, seconds, epoch, self.rank)
@@ -161,14 +177,18 @@ class StepBoundary:
             self.replication.serve_share(share, store)
 
     def start_replication(self) -> None:
-        """Before optimizer.step(): the snapshot of the last version must be complete
-        (it reads the live tensors); then stream it to the buddies in the background."""
+        """Before optimizer.step() (and, eager, at the boundary): the snapshot of the
+        last version must be complete (it reads the live tensors); then stream it to
+        the buddies in the background. Eager, before optimizer.step(): the version
+        pushed at the boundary must have landed."""
         version, self._pending_version = self._pending_version, None
         if version is not None:
             for store in self.tracked.snapshotted(self.rank):
                 store.wait()
             self._report_failed_round()
             self.replication.replicate(version)  # data-parallel state has no buddies: nothing to send
+        elif self.eager:
+            self._report_failed_round()
 
     def forget_pending(self) -> None:
         """A recovery began: the version snapshotted last is not replicated."""
