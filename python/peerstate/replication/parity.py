@@ -45,9 +45,9 @@ class ParityGroups:
 
     Args:
         node_of_rank: the node id of each rank (index = rank).
-        group_size: g, the most members of a group (2: a mirror, no saving; 4 or 8
-            are the usual). Where the ranks do not divide into groups of g, on
-            different nodes, groups have fewer (a group of one joins another).
+        group_size: g, the members of a group (2: a mirror, no saving; 4 or 8 are
+            the usual). Where the ranks do not divide into groups of g on different
+            nodes, groups have fewer; a rank that would be alone joins another group.
         rack_of_rank: optional rack id of each rank: groups spread over racks first.
         strict: raise instead of warning when a group cannot keep its members on
             different nodes.
