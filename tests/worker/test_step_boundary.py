@@ -1,5 +1,6 @@
-"""What the step boundary does besides snapshots: the memory a recovery freed is
-handed back to the system once its first step is done."""
+"""The step boundary: the memory a recovery freed is handed back to the system once
+its first step is done, and the order in which each pipeline copies a version and
+has it land at the buddy (real stores, a real buddy endpoint on 127.0.0.1)."""
 
 import subprocess
 import sys
@@ -26,3 +27,78 @@ def test_memory_freed_among_live_objects_goes_back_to_the_system():
     assert run.returncode == 0, run.stderr
     before, after = map(int, run.stdout.split())
     assert before - after > 32 * 2**20, (before, after)  # most of the 63 MiB freed
+
+
+SECRET = bytes(range(32))
+
+
+@pytest.fixture
+def two_ranks():
+    """Rank 0's step boundary on its real stores, its buddy rank 1 a real replication
+    endpoint on 127.0.0.1 holding its pushes: ``make(versions)`` -> (boundary, buddy)."""
+    torch = pytest.importorskip("torch")
+    import peerstate
+    from peerstate.control.memory_store import InMemoryKeyValueStore
+    from peerstate.control.timeline import EventLog
+    from peerstate.worker.checkpoint import DiskCheckpoints
+    from peerstate.worker.context import WorkerContext
+    from peerstate.worker.membership import Membership
+    from peerstate.worker.report import RecoveryReport
+    from peerstate.worker.step_boundary import StepBoundary
+    from peerstate.worker.tracked_state import TrackedState
+
+    closing = []
+
+    def make(versions):
+        placement = peerstate.BuddyPlacement([0, 1], k=1)
+        authority = peerstate._C.JobAuthority(SECRET)
+        tracked = TrackedState([0, 1], k=1, share_count=None, versions=versions, threads=1)
+        model = torch.nn.Linear(256, 256)
+        tracked.track(model=model, optimizer=None, scheduler=None, loader=None, extras={}, data_parallel=False)
+        tracked.register(0)
+        held = peerstate.SnapshotStore(threads=1)
+        mine = peerstate.Replication(tracked.own, 0, placement, credentials=authority.issue(0))
+        buddy = peerstate.Replication(held, 1, placement, credentials=authority.issue(1))
+        addresses = {0: mine.address, 1: buddy.address}
+        mine.connect(addresses)
+        buddy.connect(addresses)
+        buddy.reserve({0: tracked.own.memory()["bytes_per_version"]})
+        kv, events = InMemoryKeyValueStore(), EventLog(None, "n0.0")
+        membership = Membership("n0.0", spare=False)
+        membership.rank = 0
+        context = WorkerContext(membership, kv, InMemoryKeyValueStore(), None, events,
+                                RecoveryReport(kv, InMemoryKeyValueStore(), events, 2), placement, 2, 10, 10)
+        context.serve(mine)
+        closing.extend([buddy.close, held.close, context.close, tracked.close])
+        return StepBoundary(context, tracked, DiskCheckpoints(tracked, None, None, 0, str), None, 1, versions), buddy
+
+    yield make
+    for close in closing:
+        close()
+
+
+def test_the_eager_pipeline_has_each_version_at_the_buddy_before_the_next_optimizer_step(two_ranks):
+    # Job(versions=3): a version is committed locally and its push under way when its
+    # step's boundary returns, and committed at the buddy when the next step's optimizer
+    # pre-hook returns: a rank inside step x is sure of x-2 there (StepBoundary).
+    boundary, buddy = two_ranks(3)
+    for step in (1, 2, 3):
+        boundary.end_step(step, 0.01, 0)
+        assert step in boundary.tracked.own.committed_versions()
+        assert boundary.replication.replicator.in_flight_version() == step
+        boundary.start_replication()
+        assert step in buddy.held_versions()[0], (step, buddy.held_versions())
+    assert boundary.tracked.own.max_versions == 3
+
+
+def test_the_lazy_pipeline_starts_a_push_only_at_the_next_optimizer_step(two_ranks):
+    # The default (4 versions): the boundary starts nothing; the pre-hook of step v+1
+    # starts the push of v, and waits only for the push of v-1.
+    boundary, buddy = two_ranks(4)
+    boundary.end_step(1, 0.01, 0)
+    assert boundary.replication.replicator.in_flight_version() is None
+    boundary.start_replication()
+    assert boundary.replication.replicator.in_flight_version() == 1
+    boundary.end_step(2, 0.01, 0)
+    boundary.start_replication()  # waits for version 1's push, starts version 2's
+    assert 1 in buddy.held_versions()[0] and boundary.replication.replicator.in_flight_version() == 2
