@@ -1,6 +1,7 @@
 """`peerstate run` refuses bad configurations with a clear error, and nothing hangs."""
 
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -121,4 +122,6 @@ def test_a_fault_free_run_says_nothing_a_user_must_learn_to_ignore(tmp_path):
     finally:
         job.close()
     said = [line for text in consoles for line in text.splitlines() if not line.startswith("peerstate: store at ")]
-    assert said == [], said
+    # What the run owes its user: each node's closing summary of the memory it held for recoveries, once.
+    summary = [line for line in said if re.match(r"peerstate: node \d: host memory a rank holds for recoveries", line)]
+    assert len(summary) == 2 and [line for line in said if line not in summary] == [], said
