@@ -136,6 +136,8 @@ void bind_net(py::module_& m) {
            py::arg("max_connections") = TcpOptions().max_connections, py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def("serve", [](TcpServer& s, uint32_t index, SnapshotStore* store) { raise_if_error(s.serve(index, store)); },
            py::arg("index"), py::arg("store"), py::keep_alive<1, 3>())
+      .def("hold_parity", [](TcpServer& s, ParityStore* parity) { raise_if_error(s.hold_parity(parity)); },
+           py::arg("parity"), py::keep_alive<1, 2>())
       .def_property_readonly("port", &TcpServer::port)
       .def("stop", [](TcpServer& s) { call_without_gil([&] { s.stop(); return Status::Ok(); }); })
       .def("stats", [](const TcpServer& s) {

@@ -1,4 +1,5 @@
-// Bindings for the parity coder: (pointer, nbytes) pairs in, GIL released for the fold.
+// Bindings for parity groups: the coder ((pointer, nbytes) pairs in, GIL released
+// for the fold) and the holder's ParityStore.
 #include <pybind11/stl.h>
 
 #include <cstdint>
@@ -8,6 +9,8 @@
 
 #include "bindings/common.h"
 #include "store/parity.h"
+#include "store/parity_store.h"
+#include "store/snapshot_store.h"
 
 namespace py = pybind11;
 
@@ -29,6 +32,49 @@ void bind_parity(py::module_& m) {
             });
           },
           py::arg("destination"), py::arg("sources"), py::arg("accumulate") = false);
+
+  m.def(
+      "parity_pieces",
+      [](const SnapshotStore& store, int64_t version, size_t group_size) {
+        VersionView view;
+        raise_if_error(store.view(version, &view));
+        py::list out;
+        for (size_t piece = 0; piece + 1 < group_size; piece++) {
+          const ParityPiece p = parity_piece(*view.layout, group_size, piece);
+          out.append(py::make_tuple(p.first_chunk, p.end_chunk, p.region_offset, p.nbytes));
+        }
+        return out;
+      },
+      py::arg("store"), py::arg("version"), py::arg("group_size"));
+
+  py::class_<ParityStore, std::unique_ptr<ParityStore, ReleaseGilDeleter>>(m, "ParityStore")
+      .def(py::init<size_t>(), py::kw_only(), py::arg("budget_bytes") = 0)
+      .def("hold",
+           [](ParityStore& p, const std::vector<int>& members, size_t index, size_t block_bytes) {
+             call_without_gil([&] { return p.hold(members, index, block_bytes); });  // allocates and faults in
+           },
+           py::arg("members"), py::arg("index"), py::arg("block_bytes"))
+      .def("committed", &ParityStore::committed)
+      .def("drop_newer", [](ParityStore& p, int64_t version) {
+        call_without_gil([&] { p.drop_newer(version); return Status::Ok(); });
+      }, py::arg("version"))
+      .def("bound_versions", &ParityStore::bound_versions, py::arg("newest"))
+      .def_property_readonly("members", &ParityStore::members)
+      .def_property_readonly("index", &ParityStore::self)
+      .def_property_readonly("block_bytes", &ParityStore::block_bytes)
+      .def("held_bytes", &ParityStore::held_bytes)
+      .def("reserved_bytes", &ParityStore::reserved_bytes)
+      .def_property_readonly("budget_bytes", &ParityStore::budget_bytes)
+      .def("forget_rebuilt", &ParityStore::forget_rebuilt)
+      .def(
+          "block",
+          [](const ParityStore& p, int64_t version) {
+            std::shared_ptr<const ParityVersion> v;
+            raise_if_error(p.get(version, &v));
+            // A copy: the block may be reused while Python holds the result.
+            return py::make_tuple(v->version, py::bytes(reinterpret_cast<const char*>(v->block.data()), p.block_bytes()));
+          },
+          py::arg("version") = -1);
 }
 
 }  // namespace peerstate::bindings

@@ -97,6 +97,23 @@ void bind_replication(py::module_& m) {
       .def("replicate", [](Replicator& r, int64_t version, const std::vector<int>& holders) {
         call_without_gil([&] { return r.replicate(version, holders); });
       })
+      .def("push_pieces",
+           [](Replicator& r, int64_t version, const std::vector<int>& members, size_t index) {
+             call_without_gil([&] { return r.push_pieces(version, members, index); });
+           },
+           py::arg("version"), py::arg("members"), py::arg("index"))
+      .def("rebuild_piece",
+           [](Replicator& r, ParityStore* parity, int lost_rank, int64_t version) {
+             call_without_gil([&] { return r.rebuild_piece(parity, lost_rank, version); });
+           },
+           py::arg("parity"), py::arg("lost_rank"), py::arg("version"))
+      .def("pull_pieces",
+           [](Replicator& r, const std::vector<int>& members, size_t lost, int64_t version) {
+             int64_t pulled = -1;
+             call_without_gil([&] { return r.pull_pieces(members, lost, version, &pulled); });
+             return pulled;
+           },
+           py::arg("members"), py::arg("lost"), py::arg("version"))
       .def("wait", [](Replicator& r, int64_t version) {
         std::vector<HolderResult> results;
         call_without_gil([&] { return r.wait(version, &results); });

@@ -1,6 +1,9 @@
 #include "net/tcp_server.h"
 
+#include "net/tcp_server_connection.h"
+
 #include <algorithm>
+#include <cstdint>
 #include <chrono>
 #include <cstdio>
 #include <system_error>
@@ -16,60 +19,7 @@ constexpr long kHandshakeMs = 5000;
 constexpr size_t kMetadataFloorBytes = 1u << 20;  // metadata may also take 1/64 of a version's bytes
 constexpr size_t kMetadataPieceBytes = 64u << 10;
 
-// Log lines that a hostile peer could make a flood of: each kind at most once a
-// second, with a count of what was left out.
-class RateLimitedLog {
- public:
-  void write(const std::string& kind, const std::string& line) {
-    const auto now = Clock::now();
-    std::lock_guard<std::mutex> lock(mutex_);
-    Entry& e = entries_[kind];
-    if (e.last != Clock::time_point() && now - e.last < std::chrono::seconds(1)) {
-      e.suppressed++;
-      return;
-    }
-    const std::string more = e.suppressed ? " (and " + std::to_string(e.suppressed) + " more like it)" : "";
-    e.last = now;
-    e.suppressed = 0;
-    std::fprintf(stderr, "[peerstate] %s%s\n", line.c_str(), more.c_str());
-  }
-
- private:
-  struct Entry {
-    Clock::time_point last;
-    size_t suppressed = 0;
-  };
-  std::mutex mutex_;
-  std::map<std::string, Entry> entries_;
-};
-
-RateLimitedLog& log() {
-  static RateLimitedLog instance;
-  return instance;
-}
-
-// A version this server can serve, from its replicas or its own snapshots.
-struct ServedVersion {
-  VersionMeta meta;
-  const unsigned char* data = nullptr;
-  int device = kHostDevice;  // where `data` is
-  std::shared_ptr<const void> keep_alive;
-};
-
 }  // namespace
-
-struct TcpServer::Connection {
-  Channel channel;
-  std::thread thread;
-  std::atomic<bool> done{false};
-  std::atomic<bool> authenticated{false};
-  std::atomic<bool> evicted{false};
-  int32_t peer_rank = -1;
-  std::string name;
-  std::string source;  // the peer's address without its port
-  Clock::time_point since = Clock::now();
-  HostRegion staging;  // pinned; only for a device replica store
-};
 
 Status TcpServer::ensure_staging(Connection& c, size_t nbytes) {
   if (c.staging.size() >= nbytes) return Status::Ok();
@@ -82,6 +32,14 @@ Status TcpServer::ensure_staging(Connection& c, size_t nbytes) {
 TcpServer::TcpServer(const TcpOptions& options, ReplicaStore* replicas, SnapshotStore* own)
     : options_(options), replicas_(replicas) {
   if (own != nullptr) own_[0] = own;
+}
+
+Status TcpServer::hold_parity(ParityStore* parity) {
+  if (parity == nullptr) return Status(StatusCode::kInvalidArgument, "hold_parity() takes a parity store");
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (parity_ != nullptr) return Status(StatusCode::kInvalidArgument, "this server already holds a parity store");
+  parity_ = parity;
+  return Status::Ok();
 }
 
 Status TcpServer::serve(uint32_t index, SnapshotStore* snapshots) {
@@ -195,7 +153,7 @@ void TcpServer::evict(Connection* victim, const std::string& why) {
   evicted_++;
   const long held_ms =
       std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - victim->since).count();
-  log().write("evicted", "closing a connection from " + victim->name + " still in its handshake after " +
+  server_log().write("evicted", "closing a connection from " + victim->name + " still in its handshake after " +
                              std::to_string(held_ms) + " ms: " + why);
 }
 
@@ -218,7 +176,7 @@ void TcpServer::accept_loop() {
         }
       }
       backoff_ms = freed ? 10 : std::min<long>(1000, backoff_ms ? 2 * backoff_ms : 10);
-      log().write("accept", "accept failed: " + st.message() + "; retrying in " + std::to_string(backoff_ms) + " ms");
+      server_log().write("accept", "accept failed: " + st.message() + "; retrying in " + std::to_string(backoff_ms) + " ms");
       std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
       continue;
     }
@@ -233,7 +191,7 @@ void TcpServer::accept_loop() {
     std::string why;
     if (!admit(&why)) {
       refused_++;
-      log().write("refused", "refusing a connection from " + raw->name + ": " + why);
+      server_log().write("refused", "refusing a connection from " + raw->name + ": " + why);
       continue;  // closed as it goes out of scope
     }
     if (Connection* victim = handshake_to_evict(&raw->source))
@@ -245,7 +203,7 @@ void TcpServer::accept_loop() {
       });
     } catch (const std::system_error& error) {  // threads exhausted (pids.max, RLIMIT_NPROC): refuse, never abort
       refused_++;
-      log().write("thread", "refusing a connection from " + raw->name + ": no thread to serve it (" + error.what() +
+      server_log().write("thread", "refusing a connection from " + raw->name + ": no thread to serve it (" + error.what() +
                                 ")");
       continue;
     }
@@ -275,7 +233,7 @@ void TcpServer::serve_connection(Connection* c) {
   if (!st.ok()) {
     if (!stopping_.load() && !c->evicted.load()) {  // an eviction was counted and logged by evict()
       if (st.code() != StatusCode::kBusy) rejected_++;
-      log().write("handshake", "closing connection from " + c->name + ": " + st.message());
+      server_log().write("handshake", "closing connection from " + c->name + ": " + st.message());
     }
     c->channel.socket.close();
     c->done = true;
@@ -292,7 +250,7 @@ void TcpServer::serve_connection(Connection* c) {
       const bool quiet = stopping_.load() || st.code() == StatusCode::kConnectionError;
       if (!quiet) {
         if (st.code() == StatusCode::kProtocolError || st.code() == StatusCode::kAuthenticationError) rejected_++;
-        log().write("connection", "closing connection from rank " + std::to_string(c->peer_rank) + " (" + c->name +
+        server_log().write("connection", "closing connection from rank " + std::to_string(c->peer_rank) + " (" + c->name +
                                       "): " + st.message());
       }
       break;
@@ -303,39 +261,53 @@ void TcpServer::serve_connection(Connection* c) {
   c->done = true;
 }
 
+Status TcpServer::read_put_meta(Connection& c, const FrameHeader& h, size_t reserved_bytes, Deadline deadline,
+                                VersionMeta* meta) {
+  // Metadata is bounded by what the sender's reservation allows, and read in pieces
+  // of kMetadataPieceBytes: what is allocated follows what arrived, not what was
+  // announced (a connection that announces the bound and sends nothing holds one piece).
+  const size_t limit = std::min(kMaxMetadataBytes, std::max(kMetadataFloorBytes, reserved_bytes / 64));
+  if (h.length > limit)
+    return Status(StatusCode::kProtocolError, "metadata of " + std::to_string(h.length) + " bytes is over the " +
+                                                  std::to_string(limit) + " this holder allows rank " +
+                                                  std::to_string(c.peer_rank));
+  std::string bytes;
+  while (bytes.size() < h.length) {
+    const size_t at = bytes.size();
+    bytes.resize(at + std::min<size_t>(h.length - at, kMetadataPieceBytes));
+    PEERSTATE_RETURN_IF_ERROR(c.channel.recv_payload(bytes.data() + at, bytes.size() - at, deadline));
+  }
+  PEERSTATE_RETURN_IF_ERROR(c.channel.end_frame(deadline));
+  Status st;
+  {
+    // One decode at a time: a layout costs several times its metadata's bytes.
+    std::lock_guard<std::mutex> lock(decode_mutex_);
+    st = decode_meta(bytes, meta);
+  }
+  if (st.ok() && meta->source_rank != c.peer_rank)
+    st = Status(StatusCode::kProtocolError, "rank " + std::to_string(c.peer_rank) +
+                                                " tried to push the state of rank " + std::to_string(meta->source_rank));
+  if (st.ok()) return st;
+  // The frame was read whole: the stream goes on, and the sender gets the error.
+  meta->layout.reset();
+  return ends_stream(st) ? st : send_error(c.channel, st, deadline);
+}
+
 Status TcpServer::handle(Connection& c, const FrameHeader& h) {
   const Deadline deadline = deadline_after_ms(options_.io_timeout_ms);
   Channel& channel = c.channel;
-  switch (static_cast<FrameType>(h.type)) {
+  const auto type = static_cast<FrameType>(h.type);
+  const bool put = type == FrameType::kPutBegin || type == FrameType::kPutChunk || type == FrameType::kPutCommit;
+  if (put && h.store == kParityStore) return handle_parity_put(c, h);
+  if (put && h.store != 0)
+    return Status(StatusCode::kProtocolError, "a push names store " + std::to_string(h.store) +
+                                                  " (pushes go to store 0, the replicas, or to the parity store)");
+  switch (type) {
     case FrameType::kPutBegin: {
-      // Metadata is bounded by what the sender's reservation allows, and read in pieces
-      // of kMetadataPieceBytes: what is allocated follows what arrived, not what was
-      // announced (a connection that announces the bound and sends nothing holds one piece).
-      const size_t limit = std::min(kMaxMetadataBytes,
-                                    std::max(kMetadataFloorBytes, replicas_->reservation(c.peer_rank) / 64));
-      if (h.length > limit)
-        return Status(StatusCode::kProtocolError, "metadata of " + std::to_string(h.length) + " bytes is over the " +
-                                                      std::to_string(limit) + " this holder allows rank " +
-                                                      std::to_string(c.peer_rank));
-      std::string bytes;
-      while (bytes.size() < h.length) {
-        const size_t at = bytes.size();
-        bytes.resize(at + std::min<size_t>(h.length - at, kMetadataPieceBytes));
-        PEERSTATE_RETURN_IF_ERROR(channel.recv_payload(bytes.data() + at, bytes.size() - at, deadline));
-      }
-      PEERSTATE_RETURN_IF_ERROR(channel.end_frame(deadline));
       VersionMeta meta;
-      Status st;
-      {
-        // One decode at a time: a layout costs several times its metadata's bytes.
-        std::lock_guard<std::mutex> lock(decode_mutex_);
-        st = decode_meta(bytes, &meta);
-      }
-      if (st.ok() && meta.source_rank != c.peer_rank)
-        st = Status(StatusCode::kProtocolError, "rank " + std::to_string(c.peer_rank) +
-                                                    " tried to push the state of rank " +
-                                                    std::to_string(meta.source_rank));
-      if (st.ok()) st = replicas_->begin(meta);
+      PEERSTATE_RETURN_IF_ERROR(read_put_meta(c, h, replicas_->reservation(c.peer_rank), deadline, &meta));
+      if (!meta.layout) return Status::Ok();  // refused, and the sender told
+      Status st = replicas_->begin(meta);
       if (ends_stream(st)) return st;
       if (!st.ok()) return send_error(channel, st, deadline);
       return channel.send_frame(make_header(FrameType::kAck, meta.source_rank, meta.version), nullptr, deadline);
@@ -364,7 +336,7 @@ Status TcpServer::handle(Connection& c, const FrameHeader& h) {
         PEERSTATE_RETURN_IF_ERROR(replicas_->engine()->to_device(replicas_->device(), &copy, 1));
       }
       Status st = replicas_->chunk_arrived(&write, crc);
-      if (!st.ok()) log().write("chunk", "rank " + std::to_string(c.peer_rank) + ": " + st.message());
+      if (!st.ok()) server_log().write("chunk", "rank " + std::to_string(c.peer_rank) + ": " + st.message());
       return Status::Ok();  // a corrupt chunk fails the version at commit; the stream is intact
     }
     case FrameType::kPutCommit: {
@@ -398,7 +370,7 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
   ServedVersion served;
   Status st;
   const int32_t rank = options_.credentials.rank();
-  if (h.source_rank == rank) {
+  if (h.source_rank == rank && h.store != kParityStore) {
     SnapshotStore* own = own_store(h.store);
     VersionView view;
     st = own == nullptr ? Status(StatusCode::kNotFound, "rank " + std::to_string(rank) + " serves no store " +
@@ -413,6 +385,8 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
       // the socket is shut down (the revoke above), the send fails and the reader gets an error.
       served.keep_alive = view.pin;
     }
+  } else if (h.store == kParityStore) {
+    st = serve_rebuilt(h.source_rank, version, &served);
   } else if (h.store != 0) {
     st = Status(StatusCode::kNotFound, "replicas of other ranks are kept in store 0 only (asked for store " +
                                            std::to_string(h.store) + ")");
@@ -439,8 +413,13 @@ Status TcpServer::serve_get(Connection& c, const FrameHeader& h) {
     return send_error(c.channel,
                       Status(StatusCode::kInvalidArgument, "chunk " + std::to_string(h.chunk) + " out of range"),
                       deadline);
+  if (h.chunk < served.first_chunk || h.chunk >= served.end_chunk)
+    return send_error(c.channel,
+                      Status(StatusCode::kNotFound, "chunk " + std::to_string(h.chunk) + " of rank " +
+                                                        std::to_string(h.source_rank) + " is not in the piece held here"),
+                      deadline);
   const ChunkPlacement& chunk = layout.chunks[h.chunk];
-  const unsigned char* payload = served.data + chunk.offset;
+  const unsigned char* payload = served.data + chunk.offset - served.base;
   if (served.device != kHostDevice) {  // device replica: down through pinned staging
     Status staged = ensure_staging(c, chunk.nbytes);
     DeviceCopy copy{c.staging.data(), const_cast<unsigned char*>(payload), chunk.nbytes};

@@ -32,7 +32,9 @@
 // One server per rank serves every store the rank keeps: store 0 is the one
 // given to start() (the rank's own state; pushes of other ranks' state land in
 // the ReplicaStore), and serve() adds more under indices 1.. (the rank's
-// data-parallel shares), which a get names in FrameHeader::store.
+// data-parallel shares), which a get names in FrameHeader::store. Pushes name
+// store 0 (the ReplicaStore) or kParityStore: a parity group's pieces, which
+// are folded into the ParityStore given to hold_parity().
 #pragma once
 
 #include <atomic>
@@ -47,10 +49,13 @@
 #include "net/socket.h"
 #include "net/tcp_options.h"
 #include "net/wire.h"
+#include "store/parity_store.h"
 #include "store/replica_store.h"
 #include "store/snapshot_store.h"
 
 namespace peerstate {
+
+struct ServedVersion;  // tcp_server_connection.h
 
 struct TcpServerStats {
   size_t accepted = 0;  // connections that passed the handshake
@@ -73,6 +78,10 @@ class TcpServer {
   // kInvalidArgument for index 0 or an index already served.
   Status serve(uint32_t index, SnapshotStore* snapshots);
 
+  // Folds the parity pieces other ranks push (FrameHeader::store kParityStore)
+  // into `parity`, which must outlive the server. Once; kInvalidArgument after that.
+  Status hold_parity(ParityStore* parity);
+
   int port() const { return port_; }
   // Closes the listener and every connection and joins their threads. Blocks
   // at most for the threads to notice (they are woken by shutdown).
@@ -92,6 +101,13 @@ class TcpServer {
   void serve_connection(Connection* connection);
   Status handle(Connection& c, const FrameHeader& h);
   Status serve_get(Connection& c, const FrameHeader& h);
+  // Reads a kPutBegin's metadata, bounded by the sender's reservation. A refusal the
+  // stream survives is sent to the peer and returns ok with meta->layout null.
+  Status read_put_meta(Connection& c, const FrameHeader& h, size_t reserved_bytes, Deadline deadline,
+                       VersionMeta* meta);
+  // The put frames of parity pieces, and the rebuilt pieces this rank serves (tcp_server_parity.cc).
+  Status handle_parity_put(Connection& c, const FrameHeader& h);
+  Status serve_rebuilt(int source_rank, int64_t version, ServedVersion* out) const;
   Status ensure_staging(Connection& c, size_t nbytes);
   SnapshotStore* own_store(uint32_t index) const;
   void reap(bool all);
@@ -105,6 +121,7 @@ class TcpServer {
   mutable std::mutex mutex_;
   std::mutex decode_mutex_;
   std::map<uint32_t, SnapshotStore*> own_;  // guarded by mutex_
+  ParityStore* parity_ = nullptr;           // guarded by mutex_
   std::list<std::unique_ptr<Connection>> connections_;
   std::atomic<size_t> accepted_{0}, rejected_{0}, refused_{0}, evicted_{0};
 };

@@ -126,7 +126,8 @@ Status TcpTransport::send(int peer, const TransferPlan& plan) {
     std::string bytes = encode_meta(meta);
     Deadline d = deadline_after_ms(options_.io_timeout_ms);
     Status st = l.channel.send_frame(
-        make_header(FrameType::kPutBegin, meta.source_rank, meta.version, 0, bytes.size()), bytes.data(), d);
+        make_header(FrameType::kPutBegin, meta.source_rank, meta.version, 0, bytes.size(), 0, plan.store),
+        bytes.data(), d);
     if (st.ok()) st = expect_ack(l.channel, d);
     if (!st.ok()) return ends_stream(st) ? fail(l, st) : st;
   }
@@ -136,8 +137,9 @@ Status TcpTransport::send(int peer, const TransferPlan& plan) {
     while (plan.queue->take(&c)) {
       const ChunkPlacement& chunk = layout.chunks[c];
       Status s = l.channel.send_frame(make_header(FrameType::kPutChunk, meta.source_rank, meta.version, c,
-                                                  chunk.nbytes, meta.checksums[c]),
-                                      plan.region + chunk.offset, deadline_after_ms(options_.io_timeout_ms));
+                                                  chunk.nbytes, meta.checksums[c], plan.store),
+                                      plan.region + chunk.offset - plan.region_base,
+                                      deadline_after_ms(options_.io_timeout_ms));
       if (!s.ok()) {
         plan.queue->give_back(c);
         return fail(l, s);
@@ -150,7 +152,8 @@ Status TcpTransport::send(int peer, const TransferPlan& plan) {
   Link& l = *ls[0];
   std::lock_guard<std::mutex> lock(l.mutex);
   Deadline d = deadline_after_ms(options_.io_timeout_ms);
-  st = l.channel.send_frame(make_header(FrameType::kPutCommit, meta.source_rank, meta.version), nullptr, d);
+  st = l.channel.send_frame(make_header(FrameType::kPutCommit, meta.source_rank, meta.version, 0, 0, 0, plan.store),
+                            nullptr, d);
   if (st.ok()) st = expect_ack(l.channel, d);
   if (!st.ok() && ends_stream(st)) return fail(l, st);
   return st;
@@ -228,7 +231,7 @@ Status TcpTransport::receive(int peer, const TransferPlan& plan) {
         st = Status(StatusCode::kProtocolError, "rank " + std::to_string(peer) + " answered chunk " +
                                                     std::to_string(c) + " with a mismatched frame");
       uint32_t crc = 0;
-      if (st.ok()) st = l.channel.recv_chunk(layout, c, plan.region + chunk.offset, d, &crc);
+      if (st.ok()) st = l.channel.recv_chunk(layout, c, plan.region + chunk.offset - plan.region_base, d, &crc);
       if (st.ok()) st = l.channel.end_frame(d);  // before the chunk counts: the tag covers it
       if (st.ok() && crc != meta.checksums[c])
         st = Status(StatusCode::kChecksumMismatch, "chunk " + std::to_string(c) + " from rank " +

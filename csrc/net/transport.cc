@@ -2,9 +2,11 @@
 
 namespace peerstate {
 
-ChunkQueue::ChunkQueue(size_t count) : count_(count) {
-  free_.reserve(count);
-  for (size_t i = count; i > 0; i--) free_.push_back(static_cast<uint32_t>(i - 1));  // chunk 0 first
+ChunkQueue::ChunkQueue(size_t count) : ChunkQueue(0, static_cast<uint32_t>(count)) {}
+
+ChunkQueue::ChunkQueue(uint32_t first, uint32_t end) : count_(end > first ? end - first : 0) {
+  free_.reserve(count_);
+  for (uint32_t i = end; i > first; i--) free_.push_back(i - 1);  // the first chunk first
 }
 
 bool ChunkQueue::take(uint32_t* chunk) {

@@ -40,6 +40,8 @@ namespace peerstate {
 class ChunkQueue {
  public:
   explicit ChunkQueue(size_t count);
+  // Chunks [first, end) only (a parity piece).
+  ChunkQueue(uint32_t first, uint32_t end);
   // Hands out a chunk. Blocks while none is free but some are still in
   // progress (they may be given back); false once every chunk is done.
   bool take(uint32_t* chunk);
@@ -61,9 +63,16 @@ class ChunkQueue {
 
 struct TransferPlan {
   VersionMeta meta;
-  unsigned char* region = nullptr;  // the version's bytes, laid out as meta.layout says
+  // The version's bytes, laid out as meta.layout says, from region_base on: chunk
+  // c is at region + chunk.offset - region_base (a parity piece's own buffer
+  // starts at its first chunk; every chunk the queue hands out lies past it).
+  unsigned char* region = nullptr;
   ChunkQueue* queue = nullptr;
-  uint32_t store = 0;  // tcp receive: which of the peer's stores to read (TcpServer::serve)
+  // tcp receive: which of the peer's stores to read (TcpServer::serve); tcp send:
+  // 0 (the peer's replicas) or kParityStore (net/wire.h: a parity piece; the queue
+  // then holds the piece's chunks only).
+  uint32_t store = 0;
+  size_t region_base = 0;
 };
 
 class Transport {

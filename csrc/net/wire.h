@@ -66,10 +66,12 @@ struct FrameHeader {
   uint32_t crc = 0;     // CRC32C of a chunk's segments (kPutChunk, kChunk)
   // Which of the server's stores a get reads: 0 holds this rank's own state and
   // the replicas it keeps for others, 1.. the other stores it serves (a rank's
-  // data-parallel shares; TcpServer::serve). Pushes always go to store 0.
+  // data-parallel shares; TcpServer::serve). Pushes go to store 0, or to kParityStore.
   uint32_t store = 0;
 };
 static_assert(sizeof(FrameHeader) == 40, "FrameHeader is a wire struct");
+// A push's `store` for the pieces of a parity group (TcpServer::hold_parity).
+constexpr uint32_t kParityStore = 0xFFFFFFFFu;
 // A kGetMeta's `status`: send the newest version held (its `version` is then ignored).
 constexpr uint16_t kNewest = 1;
 

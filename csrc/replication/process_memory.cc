@@ -32,7 +32,8 @@ Status receive_from_process(pid_t pid, uintptr_t remote_region, const TransferPl
   uint32_t c;
   while (plan.queue->take(&c)) {
     uint32_t crc = 0;
-    Status st = read_chunk(pid, remote_region, layout, c, plan.region + layout.chunks[c].offset, &crc);
+    unsigned char* place = plan.region + layout.chunks[c].offset - plan.region_base;
+    Status st = read_chunk(pid, remote_region, layout, c, place, &crc);
     if (st.ok() && crc != plan.meta.checksums[c]) st = corrupt_chunk(pid, c);
     if (!st.ok()) {
       plan.queue->give_back(c);

@@ -1,9 +1,14 @@
 #include "replication/replicator.h"
 
 #include <algorithm>
+#include <cstdint>
 
+#include "common/crc32c.h"
+#include "common/host_memory.h"
 #include "common/thread_name.h"
+#include "net/wire.h"
 #include "replication/process_memory.h"
+#include "store/parity.h"
 
 namespace peerstate {
 
@@ -29,6 +34,32 @@ Replicator::~Replicator() {
 }
 
 Status Replicator::replicate(int64_t version, const std::vector<int>& holders) {
+  std::vector<Target> targets;
+  for (int holder : holders) targets.push_back(Target{holder, 0, 0, UINT32_MAX});
+  return start_round(version, targets, nullptr);
+}
+
+Status Replicator::push_pieces(int64_t version, const std::vector<int>& members, size_t self) {
+  if (members.size() < 3 || self >= members.size())
+    return Status(StatusCode::kInvalidArgument, "push_pieces: member " + std::to_string(self) + " of a group of " +
+                                                    std::to_string(members.size()) + " (groups have 3 or more)");
+  if (members[self] != rank_)
+    return Status(StatusCode::kInvalidArgument, "push_pieces: member " + std::to_string(self) + " is rank " +
+                                                    std::to_string(members[self]) + ", not this rank (" +
+                                                    std::to_string(rank_) + ")");
+  const size_t g = members.size();
+  return start_round(version, {}, [&](const Layout& layout) {
+    std::vector<Target> targets;
+    for (size_t piece = 0; piece + 1 < g; piece++) {
+      const ParityPiece p = parity_piece(layout, g, piece);
+      targets.push_back(Target{members[parity_holder(self, piece, g)], kParityStore, p.first_chunk, p.end_chunk});
+    }
+    return targets;
+  });
+}
+
+Status Replicator::start_round(int64_t version, std::vector<Target> targets,
+                               const std::function<std::vector<Target>(const Layout&)>& targets_of) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (round_) round_->join();  // back-pressure: one round in flight
   VersionView view;
@@ -36,18 +67,21 @@ Status Replicator::replicate(int64_t version, const std::vector<int>& holders) {
   if (view.checksums.empty())
     return Status(StatusCode::kInvalidArgument,
                   "replication needs per-chunk checksums: create the SnapshotStore with checksums on");
+  const VersionMeta meta = meta_of(rank_, view);
+  if (targets_of) targets = targets_of(*meta.layout);
   auto round = std::make_shared<Round>();
   round->version = version;
-  round->results.resize(holders.size());
-  const VersionMeta meta = meta_of(rank_, view);
-  for (size_t i = 0; i < holders.size(); i++) {
-    round->results[i].holder = holders[i];
+  round->results.resize(targets.size());
+  for (size_t i = 0; i < targets.size(); i++) {
+    round->results[i].holder = targets[i].holder;
+    const Target target = targets[i];
     // The pin keeps the slot from reuse until the send ends, whatever the caller snapshots meanwhile.
-    round->threads.emplace_back([this, round = round.get(), i, meta, data = view.mutable_data, pin = view.pin] {
+    round->threads.emplace_back([this, round = round.get(), i, meta, target, data = view.mutable_data, pin = view.pin] {
       name_this_thread("ps-push");
-      ChunkQueue queue(meta.layout->chunks.size());
-      TransferPlan plan{meta, data, &queue};
-      round->results[i].status = transport_->send(round->results[i].holder, plan);
+      ChunkQueue queue(target.first_chunk,
+                       std::min<uint32_t>(target.end_chunk, static_cast<uint32_t>(meta.layout->chunks.size())));
+      TransferPlan plan{meta, data, &queue, target.store};
+      round->results[i].status = transport_->send(target.holder, plan);
     });
   }
   round_ = std::move(round);
@@ -124,6 +158,120 @@ Status Replicator::pull(const std::vector<PullSource>& sources, int64_t version,
     return Status(StatusCode::kConnectionError,
                   "pull of " + what + " failed with " + std::to_string(meta.layout->chunks.size() - queue.done_count()) +
                       " of " + std::to_string(meta.layout->chunks.size()) + " chunks missing: no source left" + why);
+  }
+  PEERSTATE_RETURN_IF_ERROR(store_->end_receive(meta.version, meta.checksums, true));
+  *pulled = meta.version;
+  return Status::Ok();
+}
+
+Status Replicator::rebuild_piece(ParityStore* parity, int lost_rank, int64_t version) {
+  std::shared_ptr<const ParityVersion> block;
+  PEERSTATE_RETURN_IF_ERROR(parity->get(version, &block));
+  auto lost = block->contributions.find(lost_rank);
+  if (lost == block->contributions.end())
+    return Status(StatusCode::kInvalidArgument, "rank " + std::to_string(lost_rank) +
+                                                    " sends no piece to this holder (not another member of its group)");
+  std::vector<std::pair<int, const ParityContribution*>> survivors;
+  for (const auto& [rank, contribution] : block->contributions)
+    if (rank != lost_rank) survivors.emplace_back(rank, &contribution);
+  std::vector<HostRegion> pieces(survivors.size());
+  std::vector<Status> results(survivors.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < survivors.size(); i++) {
+    threads.emplace_back([&, i] {
+      name_this_thread("ps-rebuild");
+      const auto& [rank, c] = survivors[i];
+      if (c->piece.nbytes == 0) return;
+      results[i] = pieces[i].allocate(c->piece.nbytes);
+      if (!results[i].ok()) return;
+      ChunkQueue queue(c->piece.first_chunk, c->piece.end_chunk);
+      TransferPlan plan{c->meta, pieces[i].data(), &queue, 0, c->piece.region_offset};
+      results[i] = transport_->receive(rank, plan);
+      if (results[i].ok() && !queue.finished())
+        results[i] = Status(StatusCode::kConnectionError, "its piece did not arrive whole");
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::string failed;
+  StatusCode code = StatusCode::kOk;
+  for (size_t i = 0; i < survivors.size(); i++) {
+    if (results[i].ok()) continue;
+    failed += "; rank " + std::to_string(survivors[i].first) + ": " + results[i].message();
+    // A survivor whose bytes failed their checksum served another state: that, not its connection, is the news.
+    if (code == StatusCode::kOk || results[i].code() == StatusCode::kChecksumMismatch) code = results[i].code();
+  }
+  const std::string what = "version " + std::to_string(version) + " of rank " + std::to_string(lost_rank);
+  if (!failed.empty()) {
+    if (code != StatusCode::kChecksumMismatch) code = StatusCode::kConnectionError;
+    return Status(code, "cannot rebuild the piece of " + what + " held here" + failed);
+  }
+
+  auto out = std::make_shared<RebuiltPiece>();
+  out->meta = lost->second.meta;
+  out->piece = lost->second.piece;
+  PEERSTATE_RETURN_IF_ERROR(out->bytes.allocate(parity->block_bytes()));
+  std::vector<ParitySource> sources{{block->block.data(), parity->block_bytes()}};
+  for (size_t i = 0; i < survivors.size(); i++)
+    sources.emplace_back(pieces[i].data(), survivors[i].second->piece.nbytes);
+  PEERSTATE_RETURN_IF_ERROR(ParityCoder(1).xor_blocks(out->bytes.data(), parity->block_bytes(), sources, false));
+  // Every chunk against the checksum its member sent: a survivor that served
+  // another state under that version number cannot slip a wrong rebuild through.
+  const Layout& layout = *out->meta.layout;
+  for (uint32_t c = out->piece.first_chunk; c < out->piece.end_chunk; c++) {
+    const ChunkPlacement& chunk = layout.chunks[c];
+    uint32_t crc = 0;
+    for (uint32_t s = chunk.first_segment; s < chunk.first_segment + chunk.segment_count; s++) {
+      const Segment& seg = layout.segments[s];
+      crc = crc32c_extend(crc, out->bytes.data() + seg.region_offset - out->piece.region_offset, seg.nbytes);
+    }
+    if (crc != out->meta.checksums[c])
+      return Status(StatusCode::kChecksumMismatch,
+                    "the rebuilt chunk " + std::to_string(c) + " of " + what +
+                        " does not match its checksum: a survivor's snapshot of that version is not the one it pushed");
+  }
+  return parity->keep_rebuilt(std::move(out));
+}
+
+Status Replicator::pull_pieces(const std::vector<int>& members, size_t lost, int64_t version, int64_t* pulled) {
+  const size_t g = members.size();
+  if (g < 3 || lost >= g)
+    return Status(StatusCode::kInvalidArgument, "pull_pieces: member " + std::to_string(lost) + " of a group of " +
+                                                    std::to_string(g) + " (groups have 3 or more)");
+  const int rank = members[lost];
+  const std::string what = "version " + std::to_string(version) + " of rank " + std::to_string(rank);
+  VersionMeta meta;
+  std::string failures;
+  for (size_t t = 0; t + 1 < g && !meta.layout; t++) {
+    const int holder = members[parity_holder(lost, t, g)];
+    Status st = transport_->describe(holder, rank, version, kParityStore, &meta);
+    if (!st.ok()) failures += "; rank " + std::to_string(holder) + ": " + st.message();
+  }
+  if (!meta.layout)
+    return Status(StatusCode::kNotFound, "no holder of the parity group has rebuilt " + what + failures);
+  PEERSTATE_RETURN_IF_ERROR(store_->drop_newer(meta.version - 1));
+  unsigned char* region = nullptr;
+  PEERSTATE_RETURN_IF_ERROR(store_->begin_receive(meta.version, meta.layout, &region));
+  std::vector<Status> results(g - 1);
+  std::vector<std::unique_ptr<ChunkQueue>> queues;
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t + 1 < g; t++) {
+    const ParityPiece piece = parity_piece(*meta.layout, g, t);
+    queues.push_back(std::make_unique<ChunkQueue>(piece.first_chunk, piece.end_chunk));
+    threads.emplace_back([&, t, queue = queues.back().get()] {
+      name_this_thread("ps-pull");
+      TransferPlan plan{meta, region, queue, kParityStore};
+      results[t] = transport_->receive(members[parity_holder(lost, t, g)], plan);
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::string missing;
+  for (size_t t = 0; t + 1 < g; t++)
+    if (!queues[t]->finished())
+      missing += "; piece " + std::to_string(t) + " from rank " + std::to_string(members[parity_holder(lost, t, g)]) +
+                 ": " + (results[t].ok() ? std::string("incomplete") : results[t].message());
+  if (!missing.empty()) {
+    (void)store_->end_receive(meta.version, meta.checksums, false);
+    return Status(StatusCode::kConnectionError, "pull of " + what + " from its parity group failed" + missing);
   }
   PEERSTATE_RETURN_IF_ERROR(store_->end_receive(meta.version, meta.checksums, true));
   *pulled = meta.version;

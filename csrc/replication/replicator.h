@@ -17,6 +17,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "net/transport.h"
+#include "store/parity_store.h"
 #include "store/snapshot_store.h"
 
 namespace peerstate {
@@ -64,6 +66,31 @@ class Replicator {
   // Starts sending committed `version` to `holders`. Waits for the previous
   // round first. kNotFound if `version` is not committed locally.
   Status replicate(int64_t version, const std::vector<int>& holders);
+  // Starts sending committed `version` to this rank's parity group instead:
+  // `members` (ranks, in group order; this rank is member `self`) each get the
+  // piece they hold (store/parity.h), which their ParityStore folds. A round
+  // like replicate()'s: wait() reports each holder's outcome. kInvalidArgument
+  // for a group of fewer than 3 or a `self` that is not this rank.
+  Status push_pieces(int64_t version, const std::vector<int>& members, size_t self);
+
+  // At a parity holder, after member `lost_rank` of its group was lost:
+  // rebuilds the lost member's piece of `version` from the committed block of
+  // that version in `parity` and the pieces of the other survivors, pulled at
+  // once from their own snapshots of that version (store 0 of their servers),
+  // verifies every chunk of it against the lost member's checksums, and keeps
+  // it in `parity` for the replacement (pull_pieces). Blocks until done.
+  // kNotFound when `parity` holds no complete block of `version`;
+  // kConnectionError naming the survivors that could not serve their piece;
+  // kChecksumMismatch when the result does not match (a survivor no longer
+  // holds that version as it pushed it). Memory: the survivors' pieces while it
+  // runs, and the rebuilt piece until ParityStore::forget_rebuilt().
+  Status rebuild_piece(ParityStore* parity, int lost_rank, int64_t version);
+  // At a replacement for member `lost` of the parity group `members`: pulls
+  // `version` of its state as g - 1 pieces from the g - 1 holders that rebuilt
+  // them (rebuild_piece), all at once, into the local store as a committed
+  // version, as pull() does. kNotFound when no holder has rebuilt it;
+  // kConnectionError naming each piece that did not arrive and its holder.
+  Status pull_pieces(const std::vector<int>& members, size_t lost, int64_t version, int64_t* pulled);
   // Blocks until the round of `version` ends (kNotFound if there was none
   // such: only the latest round is remembered) and reports each holder's
   // outcome. The call itself fails only for a missing round.
@@ -87,6 +114,15 @@ class Replicator {
 
  private:
   struct Round;
+  // One holder of a round: which store of its server, which chunks.
+  struct Target {
+    int holder = -1;
+    uint32_t store = 0;
+    uint32_t first_chunk = 0, end_chunk = 0;
+  };
+  // `targets`, or those `targets_of` makes from the version's layout.
+  Status start_round(int64_t version, std::vector<Target> targets,
+                     const std::function<std::vector<Target>(const Layout&)>& targets_of);
   SnapshotStore* const store_;
   Transport* const transport_;
   const int rank_;

@@ -123,4 +123,21 @@ Status ParityCoder::xor_blocks(void* destination, size_t nbytes, const std::vect
   return Status::Ok();
 }
 
+ParityPiece parity_piece(const Layout& layout, size_t group_size, size_t piece) {
+  ParityPiece out;
+  const size_t count = layout.chunks.size(), pieces = group_size > 1 ? group_size - 1 : 1;
+  if (piece >= pieces) return out;
+  // The first chunk c with floor(c * pieces / count) >= piece is ceil(piece * count / pieces).
+  auto first_of = [&](size_t p) { return static_cast<uint32_t>((p * count + pieces - 1) / pieces); };
+  out.first_chunk = first_of(piece);
+  out.end_chunk = first_of(piece + 1);
+  if (out.end_chunk > out.first_chunk) {
+    const ChunkPlacement& first = layout.chunks[out.first_chunk];
+    const ChunkPlacement& last = layout.chunks[out.end_chunk - 1];
+    out.region_offset = first.offset;
+    out.nbytes = last.offset + last.nbytes - first.offset;
+  }
+  return out;
+}
+
 }  // namespace peerstate

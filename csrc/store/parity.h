@@ -14,6 +14,7 @@
 
 #include "common/status.h"
 #include "common/thread_pool.h"
+#include "store/layout.h"
 
 namespace peerstate {
 
@@ -45,5 +46,32 @@ class ParityCoder {
   size_t threads_;
   std::shared_ptr<ThreadPool> pool_;  // null for one thread: the caller's
 };
+
+// A parity group of g members places its pieces by one rule, which the
+// senders (Replicator::push_pieces), the holders (ParityStore) and the layout
+// of python/peerstate/replication/parity.py all follow: member i cuts each
+// version into g - 1 pieces of whole chunks, and piece t goes to member
+// (i + 1 + t) mod g, so a holder receives one piece from every other member
+// and none of its own. Whole chunks, because a chunk is the unit of transfer
+// and of CRC32C: a piece arrives verified chunk by chunk, as a replica does.
+struct ParityPiece {
+  uint32_t first_chunk = 0;  // chunks [first_chunk, end_chunk) of the version's layout
+  uint32_t end_chunk = 0;
+  size_t region_offset = 0;  // where the first chunk sits in the version's region
+  size_t nbytes = 0;         // from there to the end of the last chunk (0 for an empty piece)
+};
+
+// Piece `piece` (0 .. g - 2) of a version laid out as `layout`, in a group of
+// `group_size` (>= 2): its chunks are those whose index c has
+// floor(c (g - 1) / C) == piece, C the chunk count, so pieces differ by at most one chunk.
+ParityPiece parity_piece(const Layout& layout, size_t group_size, size_t piece);
+// Which member holds piece `piece` of member `member`, and which piece of
+// `member` member `holder` holds (holder != member).
+inline size_t parity_holder(size_t member, size_t piece, size_t group_size) {
+  return (member + 1 + piece) % group_size;
+}
+inline size_t parity_piece_held(size_t member, size_t holder, size_t group_size) {
+  return (holder + group_size - member - 1) % group_size;
+}
 
 }  // namespace peerstate

@@ -227,6 +227,9 @@ class TcpServer:
         the busiest source; over the others it is closed at once (csrc/net/tcp_server.h)."""
     def serve(self, index: int, store: SnapshotStore) -> None:
         """Serve pulls of this rank's state kept in `store` as store `index` (>= 1, unused)."""
+    def hold_parity(self, parity: ParityStore) -> None:
+        """Fold the parity pieces other members push into `parity`, and serve the pieces it
+        rebuilt; once per server."""
     @property
     def port(self) -> int: ...
     def stop(self) -> None: ...
@@ -268,6 +271,18 @@ class Replicator:
 
     def __init__(self, store: SnapshotStore, transport: Transport, rank: int) -> None: ...
     def replicate(self, version: int, holders: List[int]) -> None: ...
+    def push_pieces(self, version: int, members: List[int], index: int) -> None:
+        """A round like replicate()'s to this rank's parity group (`members` in group order,
+        this rank at `index`): each other member gets the piece it folds."""
+    def rebuild_piece(self, parity: ParityStore, lost_rank: int, version: int) -> None:
+        """At a holder: rebuild the lost member's piece of `version` from the block and the
+        other survivors' own snapshots (pulled at once), verify it against the member's
+        checksums and keep it in `parity` for the replacement. Blocks, without the GIL.
+        ConnectionError naming the survivors that could not serve; ChecksumMismatchError when
+        a survivor's snapshot of that version is not the one it pushed."""
+    def pull_pieces(self, members: List[int], lost: int, version: int) -> int:
+        """At the replacement of member index `lost`: pull `version` as g - 1 pieces from the
+        holders that rebuilt them into the store, committed; returns the version."""
     def wait(self, version: int) -> List[Tuple[int, Optional[Error]]]: ...
     def in_flight_version(self) -> Optional[int]: ...
     def pull(self, sources: List[PullSource], version: int = -1,
@@ -295,6 +310,39 @@ def nccl_load() -> Dict[str, Any]:
     """Find libnccl at run time: {version, version_code, origin}; UnavailableError says why not."""
 def nccl_unique_id() -> bytes: ...
 def nccl_transport(unique_id: bytes, nranks: int, rank: int, device: int, timeout_ms: int = 60000) -> Transport: ...
+
+def parity_pieces(store: SnapshotStore, version: int, group_size: int) -> List[Tuple[int, int, int, int]]:
+    """The g - 1 pieces a member cuts `version` into: (first chunk, end chunk, region offset,
+    nbytes) each, whole chunks (csrc/store/parity.h); piece t goes to member (i + 1 + t) mod g."""
+
+class ParityStore:
+    """The parity block a holder keeps for its group (csrc/store/parity_store.h): the other
+    members' pieces folded by XOR as they arrive, each chunk verified first; a version's
+    block is committed when every piece is in. Two blocks at most."""
+
+    def __init__(self, *, budget_bytes: int = 0) -> None: ...
+    def hold(self, members: List[int], index: int, block_bytes: int) -> None:
+        """Hold the parity of `members` (3 or more, in group order) as member `index`,
+        in blocks of `block_bytes`. BudgetExceededError when two blocks do not fit."""
+    def committed(self) -> List[int]:
+        """Versions whose block is complete and readable, newest first."""
+    def drop_newer(self, version: int) -> None: ...
+    def bound_versions(self, newest: int) -> None: ...
+    @property
+    def members(self) -> List[int]: ...
+    @property
+    def index(self) -> int:
+        """This holder's place in `members`."""
+    @property
+    def block_bytes(self) -> int: ...
+    def held_bytes(self) -> int: ...
+    def reserved_bytes(self) -> int: ...
+    @property
+    def budget_bytes(self) -> int: ...
+    def forget_rebuilt(self) -> None:
+        """Free the pieces rebuilt here."""
+    def block(self, version: int = -1) -> Tuple[int, bytes]:
+        """(version, a copy of its block): the newest committed, or `version`."""
 
 class ParityCoder:
     """Folds blocks into parity by XOR on ``threads`` threads (csrc/store/parity.h).

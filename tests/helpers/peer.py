@@ -142,6 +142,39 @@ class Peer:
     def digest(self):
         return {"digest": digest_tensors(self.tensors)}
 
+    def restate(self, version, seed):
+        """Snapshot ``version`` again with other bytes (a re-run that diverged)."""
+        self.store.native.drop_newer(version - 1)
+        fill(self.tensors, seed, version)
+        self.store.snapshot(version).wait()
+        return {"digest": digest_tensors(self.tensors)}
+
+    def largest_piece(self, version, group_size):
+        pieces = peerstate._C.parity_pieces(self.store.native, version, group_size)
+        return {"nbytes": max(nbytes for _first, _end, _offset, nbytes in pieces)}
+
+    def hold_parity(self, members, block_bytes):
+        self.replication.hold_parity(members, block_bytes)
+        return {"held_bytes": self.replication.parity.held_bytes()}
+
+    def push_pieces(self, version):
+        self.replication.push_pieces(version)
+        return {}
+
+    def parity(self, version=-1):
+        held, block = self.replication.parity.block(version)
+        return {"committed": self.replication.parity.committed(), "version": held,
+                "digest": hashlib.sha256(block).hexdigest()}
+
+    def rebuild_piece(self, lost, version):
+        self.replication.rebuild_piece(lost, version)
+        return {"held_bytes": self.replication.parity.held_bytes()}
+
+    def pull_pieces(self, rank, version):
+        pulled = self.replication.pull_pieces(rank, version)
+        self.store.restore(pulled, verify=False)
+        return {"version": pulled, "digest": digest_tensors(self.tensors)}
+
 
 def main():
     from peerstate.replication.stopped_holder import permit_reads_by_the_node

@@ -55,8 +55,9 @@ class NcclTransport final : public Transport {
     PEERSTATE_RETURN_IF_ERROR(nccl_status(nccl_.group_start(), "ncclGroupStart"));
     while (plan.queue->try_take(&c)) {
       const ChunkPlacement& chunk = layout.chunks[c];
-      int rc = sending ? nccl_.send(plan.region + chunk.offset, chunk.nbytes, kNcclUint8, peer, comm_, stream_)
-                       : nccl_.recv(plan.region + chunk.offset, chunk.nbytes, kNcclUint8, peer, comm_, stream_);
+      unsigned char* place = plan.region + chunk.offset - plan.region_base;
+      int rc = sending ? nccl_.send(place, chunk.nbytes, kNcclUint8, peer, comm_, stream_)
+                       : nccl_.recv(place, chunk.nbytes, kNcclUint8, peer, comm_, stream_);
       taken.push_back(c);
       if (rc != 0) {
         (void)nccl_.group_end();

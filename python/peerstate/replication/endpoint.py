@@ -18,7 +18,7 @@ A replacement for rank r registers the same buffers, then ``repl.recover(r)``.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from peerstate import _C
 from peerstate.errors import InvalidArgumentError
@@ -115,6 +115,7 @@ class Replication:
         self._adopted_share: List[int] = []  # versions of its data-parallel share copied from there
         self._shares: Dict[int, SnapshotStore] = {}  # share -> the store this rank keeps it in
         self._share_replicators: Dict[int, "_C.Replicator"] = {}
+        self.parity: Optional["_C.ParityStore"] = None  # see hold_parity
         store.add_pre_snapshot_hook(self._wait_before_snapshot)
 
     @property
@@ -319,11 +320,58 @@ class Replication:
         self.store.restore(pulled, verify=False)
         return pulled
 
+    def hold_parity(self, members: Sequence[int], block_bytes: int, budget_bytes: Optional[int] = None) -> None:
+        """Join the parity group ``members`` (ranks in group order, this rank among them; see
+        ``ParityGroups``): hold its parity in blocks of ``block_bytes``, the largest piece any
+        member pushes (``largest_piece``), two blocks at most. Raises BudgetExceededError."""
+        if self.rank not in members:
+            raise InvalidArgumentError(f"rank {self.rank} is not in the parity group {list(members)}")
+        parity = _C.ParityStore(budget_bytes=budget_bytes or 0)
+        parity.hold(list(members), list(members).index(self.rank), block_bytes)
+        if self.parity is None:
+            self.server.hold_parity(parity)
+            self.parity = parity
+        else:  # the server keeps the store it was given: regroup that one
+            self.parity.hold(list(members), list(members).index(self.rank), block_bytes)
+
+    def push_pieces(self, version: int) -> None:
+        """Send committed ``version`` to this rank's parity group, one piece to each other
+        member, in the background, as ``replicate`` does for buddies (``wait`` ends it)."""
+        members, self_index = self._parity_group()
+        self.replicator.push_pieces(version, members, self_index)
+
+    def rebuild_piece(self, lost: int, version: int) -> None:
+        """At a holder: rebuild the piece of ``lost``'s ``version`` this rank keeps parity
+        of, from its block and the other survivors' own snapshots, and keep it for the
+        replacement (``pull_pieces``) until ``forget_rebuilt``."""
+        self._parity_group()
+        self.replicator.rebuild_piece(self.parity, lost, version)
+
+    def pull_pieces(self, rank: int, version: int) -> int:
+        """At ``rank``'s replacement: pull its ``version`` from the pieces its group's
+        holders rebuilt into this rank's store, committed (not restored). Returns the version."""
+        members, _ = self._parity_group()
+        if rank not in members:
+            raise InvalidArgumentError(f"rank {rank} is not in this rank's parity group {members}")
+        return self.replicator.pull_pieces(members, members.index(rank), version)
+
+    def forget_rebuilt(self) -> None:
+        """Free the pieces this holder rebuilt (once their replacements pulled them)."""
+        if self.parity is not None:
+            self.parity.forget_rebuilt()
+
+    def _parity_group(self) -> Tuple[List[int], int]:
+        if self.parity is None:
+            raise InvalidArgumentError(f"rank {self.rank} is in no parity group: hold_parity() first")
+        return list(self.parity.members), self.parity.index
+
     def drop_newer(self, version: int) -> None:
         """After the job rolled back to ``version``: forget the replicas newer than it (of
         the abandoned run), so that the re-run's versions, with the same numbers, land;
         the job is at ``version`` again (``reached``)."""
         self.replicas.drop_newer(version)
+        if self.parity is not None:
+            self.parity.drop_newer(version)
         if version >= 0:
             self.reached(version)
 
@@ -334,6 +382,8 @@ class Replication:
         are a step or two apart; snapshot_every widens it), so a member holding the job
         secret cannot ratchet a replica's version beyond what a real step will reach."""
         self.replicas.bound_versions(step + self.version_window)
+        if self.parity is not None:
+            self.parity.bound_versions(step + self.version_window)
 
     def holdings(self) -> Dict[int, int]:
         """source rank -> the newest version committed here."""

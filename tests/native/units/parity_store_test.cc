@@ -1,0 +1,253 @@
+// A parity holder, driven through the calls the tcp server makes (begin,
+// expect_chunk, fold, commit): the block of a version is the XOR of the other
+// members' pieces and becomes visible only when every piece is in; what it
+// holds rebuilds a lost member's piece; a corrupt chunk, a chunk outside the
+// piece, a member outside the group, a version the rules refuse never enter
+// it; a retry folds nothing twice; a version left incomplete holds the next
+// one back (kBusy naming who is missing), a failed one does not.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <map>
+#include <thread>
+#include <vector>
+
+#include "common/crc32c.h"
+#include "store/parity_store.h"
+
+namespace peerstate {
+namespace {
+
+constexpr size_t kChunk = 4096;
+const std::vector<int> kGroup = {10, 11, 12, 13};  // this holder is member 0, rank 10
+const std::map<int, size_t> kSizes = {{11, 30000}, {12, 25000}, {13, 41000}};
+
+struct Version {
+  VersionMeta meta;
+  std::vector<unsigned char> region;  // laid out as meta.layout says
+  ParityPiece piece;                  // the one this holder keeps
+};
+
+Version version_of(int rank, int64_t version) {
+  Version v;
+  v.meta.source_rank = rank;
+  v.meta.version = version;
+  v.meta.chunk_bytes = kChunk;
+  v.meta.buffers.push_back(BufferPlacement{"w", kSizes.at(rank), kHostDevice, 0, "torch.uint8"});
+  Layout layout;
+  EXPECT_TRUE(build_layout({BufferRegistration{"w", nullptr, kSizes.at(rank), kHostDevice, "torch.uint8"}}, kChunk,
+                           &layout).ok());
+  v.region.assign(layout.region_bytes, 0);
+  for (size_t i = 0; i < kSizes.at(rank); i++) v.region[i] = static_cast<unsigned char>(i * 131 + rank * 7 + version);
+  for (size_t c = 0; c < layout.chunks.size(); c++) v.meta.checksums.push_back(chunk_checksum(layout, c, v.region.data()));
+  EXPECT_TRUE(finish_meta(&v.meta).ok());
+  const size_t member = std::find(kGroup.begin(), kGroup.end(), rank) - kGroup.begin();
+  v.piece = parity_piece(*v.meta.layout, kGroup.size(), parity_piece_held(member, 0, kGroup.size()));
+  return v;
+}
+
+size_t block_bytes() {
+  size_t most = 0;
+  for (const auto& [rank, n] : kSizes) most = std::max(most, version_of(rank, 0).piece.nbytes);
+  return most;
+}
+
+// Folds chunks [from, to) of the piece (all: to = -1); chunk `corrupt` arrives with a flipped byte.
+Status fold_chunks(ParityStore& store, const Version& v, uint32_t from = 0, long to = -1, long corrupt = -1) {
+  const uint32_t end = to < 0 ? v.piece.end_chunk : v.piece.first_chunk + static_cast<uint32_t>(to);
+  for (uint32_t c = v.piece.first_chunk + from; c < end; c++) {
+    const ChunkPlacement& chunk = v.meta.layout->chunks[c];
+    ParityStore::ChunkFold fold;
+    PEERSTATE_RETURN_IF_ERROR(store.expect_chunk(v.meta.source_rank, v.meta.version, c, chunk.nbytes, &fold));
+    std::vector<unsigned char> staged(v.region.begin() + chunk.offset, v.region.begin() + chunk.offset + chunk.nbytes);
+    if (c == corrupt) staged[3] ^= 1;
+    uint32_t crc = crc32c_extend(0, staged.data(), std::min(chunk.nbytes, kSizes.at(v.meta.source_rank) - chunk.offset));
+    Status folded = store.fold(&fold, staged.data(), crc);
+    (void)folded;  // a mismatch fails the piece at commit, as the server lets it
+  }
+  return Status::Ok();
+}
+
+Status push(ParityStore& store, const Version& v, long corrupt = -1) {
+  PEERSTATE_RETURN_IF_ERROR(store.begin(v.meta));
+  PEERSTATE_RETURN_IF_ERROR(fold_chunks(store, v, 0, -1, corrupt));
+  return store.commit(v.meta.source_rank, v.meta.version, deadline_after_ms(5000));
+}
+
+// The block a version's pieces must make, by plain byte XOR.
+std::vector<unsigned char> expected_block(const std::vector<Version>& pieces, size_t nbytes) {
+  std::vector<unsigned char> out(nbytes, 0);
+  for (const Version& v : pieces)
+    for (size_t i = 0; i < v.piece.nbytes; i++) out[i] ^= v.region[v.piece.region_offset + i];
+  return out;
+}
+
+std::vector<unsigned char> block_of(const ParityStore& store, int64_t version) {
+  std::shared_ptr<const ParityVersion> held;
+  EXPECT_TRUE(store.get(version, &held).ok());
+  if (!held) return {};
+  return std::vector<unsigned char>(held->block.data(), held->block.data() + store.block_bytes());
+}
+
+std::vector<Version> versions(int64_t version) {
+  return {version_of(11, version), version_of(12, version), version_of(13, version)};
+}
+
+std::unique_ptr<ParityStore> held_store() {
+  auto store = std::make_unique<ParityStore>(1 << 20);
+  EXPECT_TRUE(store->hold(kGroup, 0, block_bytes()).ok());
+  return store;
+}
+
+TEST(ParityStore, PiecesAreWholeChunksThatCoverTheVersionOnce) {
+  const Version v = version_of(13, 1);
+  uint32_t next = 0;
+  for (size_t t = 0; t + 1 < kGroup.size(); t++) {
+    const ParityPiece p = parity_piece(*v.meta.layout, kGroup.size(), t);
+    EXPECT_EQ(p.first_chunk, next);
+    EXPECT_LE(p.end_chunk - p.first_chunk, (v.meta.layout->chunks.size() + 2) / 3);
+    next = p.end_chunk;
+  }
+  EXPECT_EQ(next, v.meta.layout->chunks.size());
+  for (size_t member = 0; member < 4; member++) {  // every other member holds one piece of it
+    std::vector<size_t> holders;
+    for (size_t t = 0; t < 3; t++) {
+      const size_t holder = parity_holder(member, t, 4);
+      EXPECT_NE(holder, member);
+      EXPECT_EQ(parity_piece_held(member, holder, 4), t);
+      holders.push_back(holder);
+    }
+    std::sort(holders.begin(), holders.end());
+    EXPECT_EQ(std::adjacent_find(holders.begin(), holders.end()), holders.end());
+  }
+}
+
+TEST(ParityStore, FoldsEveryMembersPieceIntoOneBlockThatRebuildsALostOne) {
+  ParityStore store(1 << 20);
+  ASSERT_TRUE(store.hold(kGroup, 0, block_bytes()).ok());
+  const std::vector<Version> v1 = versions(1);
+  std::vector<std::thread> members;
+  std::vector<Status> results(v1.size());
+  for (size_t i = 0; i < v1.size(); i++) members.emplace_back([&, i] { results[i] = push(store, v1[i]); });
+  for (auto& t : members) t.join();
+  for (const Status& st : results) ASSERT_TRUE(st.ok()) << st.message();
+  ASSERT_EQ(store.committed(), std::vector<int64_t>{1});
+  const std::vector<unsigned char> block = block_of(store, 1);
+  EXPECT_EQ(block, expected_block(v1, store.block_bytes()));
+  // Rank 12 lost: its piece is the block XOR the survivors' pieces.
+  std::vector<unsigned char> rebuilt = block;
+  for (const Version& v : {v1[0], v1[2]})
+    for (size_t i = 0; i < v.piece.nbytes; i++) rebuilt[i] ^= v.region[v.piece.region_offset + i];
+  const Version& lost = v1[1];
+  EXPECT_EQ(0, std::memcmp(rebuilt.data(), lost.region.data() + lost.piece.region_offset, lost.piece.nbytes));
+  EXPECT_EQ(store.held_bytes() >= 2 * store.block_bytes(), true);
+}
+
+TEST(ParityStore, AnIncompleteVersionStaysInvisibleAndHoldsTheNextBackNamingWhoIsMissing) {
+  std::unique_ptr<ParityStore> held = held_store();
+  ParityStore& store = *held;
+  for (const Version& v : versions(1)) ASSERT_TRUE(push(store, v).ok());
+  const std::vector<Version> v2 = versions(2);
+  ASSERT_TRUE(push(store, v2[0]).ok());  // a member's commit waits for its own piece only
+  ASSERT_TRUE(push(store, v2[1]).ok());
+  EXPECT_EQ(store.committed(), std::vector<int64_t>{1});
+  std::shared_ptr<const ParityVersion> got;
+  EXPECT_EQ(store.get(2, &got).code(), StatusCode::kNotFound);
+  EXPECT_EQ(block_of(store, 1), expected_block(versions(1), store.block_bytes()));
+  Status busy = store.begin(version_of(11, 3).meta);
+  EXPECT_EQ(busy.code(), StatusCode::kBusy);
+  EXPECT_NE(busy.message().find("rank 13"), std::string::npos) << busy.message();
+  ASSERT_TRUE(push(store, v2[2]).ok());
+  EXPECT_EQ(store.committed(), (std::vector<int64_t>{2, 1}));
+  EXPECT_EQ(block_of(store, 2), expected_block(v2, store.block_bytes()));
+  EXPECT_TRUE(store.begin(version_of(11, 3).meta).ok());  // reuses version 1's block
+  EXPECT_EQ(store.committed(), std::vector<int64_t>{2});
+}
+
+TEST(ParityStore, ACorruptChunkFoldsNothingFailsItsVersionAndTheNextOneReplacesIt) {
+  std::unique_ptr<ParityStore> held = held_store();
+  ParityStore& store = *held;
+  for (const Version& v : versions(1)) ASSERT_TRUE(push(store, v).ok());
+  const std::vector<Version> v2 = versions(2);
+  ASSERT_TRUE(push(store, v2[0]).ok());
+  EXPECT_EQ(push(store, v2[1], v2[1].piece.first_chunk + 1).code(), StatusCode::kChecksumMismatch);
+  EXPECT_EQ(store.begin(v2[2].meta).code(), StatusCode::kInvalidArgument);  // the version is dead
+  EXPECT_EQ(store.committed(), std::vector<int64_t>{1});
+  EXPECT_EQ(block_of(store, 1), expected_block(versions(1), store.block_bytes()));
+  const std::vector<Version> v3 = versions(3);
+  for (const Version& v : v3) ASSERT_TRUE(push(store, v).ok());  // no wait for the failed version
+  EXPECT_EQ(block_of(store, 3), expected_block(v3, store.block_bytes()));
+}
+
+TEST(ParityStore, RefusesWhatIsNotThisHoldersToFold) {
+  std::unique_ptr<ParityStore> held = held_store();
+  ParityStore& store = *held;
+  Version v = version_of(11, 1);
+  EXPECT_EQ(store.begin(version_of(11, -1).meta).code(), StatusCode::kInvalidArgument);
+  Version self = version_of(11, 1);
+  self.meta.source_rank = 10;  // the holder's own rank: it keeps no parity of itself
+  EXPECT_EQ(store.begin(self.meta).code(), StatusCode::kNotFound);
+  self.meta.source_rank = 42;
+  EXPECT_EQ(store.begin(self.meta).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(store.begin(v.meta).ok());
+  ParityStore::ChunkFold fold;
+  const uint32_t outside = v.piece.end_chunk % v.meta.layout->chunks.size();
+  EXPECT_EQ(store.expect_chunk(11, 1, outside, v.meta.layout->chunks[outside].nbytes, &fold).code(),
+            StatusCode::kProtocolError);
+  EXPECT_EQ(store.expect_chunk(11, 1, v.piece.first_chunk, 7, &fold).code(), StatusCode::kProtocolError);
+  EXPECT_EQ(store.expect_chunk(11, 2, v.piece.first_chunk, kChunk, &fold).code(), StatusCode::kProtocolError);
+  ParityStore small(1 << 20);
+  ASSERT_TRUE(small.hold(kGroup, 0, 1024).ok());
+  EXPECT_EQ(small.begin(v.meta).code(), StatusCode::kBudgetExceeded);
+  EXPECT_EQ(ParityStore(1000).hold(kGroup, 0, 600).code(), StatusCode::kBudgetExceeded);
+  EXPECT_EQ(ParityStore(0).hold({1, 2}, 0, 64).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParityStore(0).hold({1, 2, 2}, 0, 64).code(), StatusCode::kInvalidArgument);
+  // Versions: newer than the committed block, within the job's bound.
+  std::unique_ptr<ParityStore> bounded_store = held_store();
+  ParityStore& bounded = *bounded_store;
+  for (const Version& m : versions(5)) ASSERT_TRUE(push(bounded, m).ok());
+  EXPECT_EQ(bounded.begin(version_of(12, 5).meta).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(bounded.begin(version_of(12, 4).meta).code(), StatusCode::kInvalidArgument);
+  bounded.bound_versions(7);
+  EXPECT_EQ(bounded.begin(version_of(12, 8).meta).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(bounded.begin(version_of(12, 7).meta).ok());
+}
+
+TEST(ParityStore, ARetryFoldsNothingTwiceAndAConflictingOneFailsTheVersion) {
+  std::unique_ptr<ParityStore> held = held_store();
+  ParityStore& store = *held;
+  const std::vector<Version> v1 = versions(1);
+  ASSERT_TRUE(store.begin(v1[0].meta).ok());
+  ASSERT_TRUE(fold_chunks(store, v1[0], 0, 1).ok());  // the connection broke after one chunk
+  ASSERT_TRUE(push(store, v1[0]).ok());                // the retry sends them all again
+  ASSERT_TRUE(push(store, v1[1]).ok());
+  ASSERT_TRUE(push(store, v1[2]).ok());
+  EXPECT_EQ(block_of(store, 1), expected_block(v1, store.block_bytes()));
+  const std::vector<Version> v2 = versions(2);
+  ASSERT_TRUE(push(store, v2[0]).ok());
+  Version other = version_of(11, 2);
+  other.meta.checksums[0] ^= 1;  // another state under the same number
+  EXPECT_EQ(store.begin(other.meta).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(store.commit(11, 2, deadline_after_ms(1000)).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ParityStore, ARollbackDropsTheAbandonedVersionsAndLetsTheRerunsNumbersIn) {
+  std::unique_ptr<ParityStore> held = held_store();
+  ParityStore& store = *held;
+  for (const Version& v : versions(1)) ASSERT_TRUE(push(store, v).ok());
+  for (const Version& v : versions(2)) ASSERT_TRUE(push(store, v).ok());
+  store.drop_newer(1);
+  EXPECT_EQ(store.committed(), std::vector<int64_t>{1});
+  std::vector<Version> rerun = versions(2);
+  for (Version& v : rerun) {  // the re-run's state differs from the abandoned one's
+    v.region[0] ^= 0xff;
+    v.meta.checksums[0] = chunk_checksum(*v.meta.layout, 0, v.region.data());
+  }
+  for (const Version& v : rerun) ASSERT_TRUE(push(store, v).ok());
+  EXPECT_EQ(block_of(store, 2), expected_block(rerun, store.block_bytes()));
+}
+
+}  // namespace
+}  // namespace peerstate
