@@ -98,10 +98,12 @@ void bind_replication(py::module_& m) {
         call_without_gil([&] { return r.replicate(version, holders); });
       })
       .def("push_pieces",
-           [](Replicator& r, int64_t version, const std::vector<int>& members, size_t index) {
-             call_without_gil([&] { return r.push_pieces(version, members, index); });
+           [](Replicator& r, int64_t version, const std::vector<int>& members, size_t index, const ParityStore* own,
+              long wait_ms) {
+             call_without_gil([&] { return r.push_pieces(version, members, index, own, wait_ms); });
            },
-           py::arg("version"), py::arg("members"), py::arg("index"))
+           py::arg("version"), py::arg("members"), py::arg("index"), py::arg("own").none(true) = nullptr,
+           py::arg("wait_ms") = 30000, py::keep_alive<1, 5>())
       .def("rebuild_piece",
            [](Replicator& r, ParityStore* parity, int lost_rank, int64_t version) {
              call_without_gil([&] { return r.rebuild_piece(parity, lost_rank, version); });

@@ -39,7 +39,8 @@ Status Replicator::replicate(int64_t version, const std::vector<int>& holders) {
   return start_round(version, targets, nullptr);
 }
 
-Status Replicator::push_pieces(int64_t version, const std::vector<int>& members, size_t self) {
+Status Replicator::push_pieces(int64_t version, const std::vector<int>& members, size_t self,
+                               const ParityStore* own, long wait_ms) {
   if (members.size() < 3 || self >= members.size())
     return Status(StatusCode::kInvalidArgument, "push_pieces: member " + std::to_string(self) + " of a group of " +
                                                     std::to_string(members.size()) + " (groups have 3 or more)");
@@ -54,6 +55,7 @@ Status Replicator::push_pieces(int64_t version, const std::vector<int>& members,
       const ParityPiece p = parity_piece(layout, g, piece);
       targets.push_back(Target{members[parity_holder(self, piece, g)], kParityStore, p.first_chunk, p.end_chunk});
     }
+    if (own != nullptr) targets.push_back(Target{rank_, 0, 0, 0, own, wait_ms});
     return targets;
   });
 }
@@ -78,6 +80,10 @@ Status Replicator::start_round(int64_t version, std::vector<Target> targets,
     // The pin keeps the slot from reuse until the send ends, whatever the caller snapshots meanwhile.
     round->threads.emplace_back([this, round = round.get(), i, meta, target, data = view.mutable_data, pin = view.pin] {
       name_this_thread("ps-push");
+      if (target.own != nullptr) {
+        round->results[i].status = target.own->wait_complete(meta.version, deadline_after_ms(target.wait_ms));
+        return;
+      }
       ChunkQueue queue(target.first_chunk,
                        std::min<uint32_t>(target.end_chunk, static_cast<uint32_t>(meta.layout->chunks.size())));
       TransferPlan plan{meta, data, &queue, target.store};

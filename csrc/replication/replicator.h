@@ -69,9 +69,14 @@ class Replicator {
   // Starts sending committed `version` to this rank's parity group instead:
   // `members` (ranks, in group order; this rank is member `self`) each get the
   // piece they hold (store/parity.h), which their ParityStore folds. A round
-  // like replicate()'s: wait() reports each holder's outcome. kInvalidArgument
-  // for a group of fewer than 3 or a `self` that is not this rank.
-  Status push_pieces(int64_t version, const std::vector<int>& members, size_t self);
+  // like replicate()'s: wait() reports each holder's outcome, which is ok once
+  // the version's block is complete there (ParityStore::commit), and this
+  // rank's own outcome: its `own` block of the version complete, waited for up
+  // to `wait_ms`. So the round ends when the version is covered at every
+  // member, and the next round cannot begin before. kInvalidArgument for a
+  // group of fewer than 3 or a `self` that is not this rank.
+  Status push_pieces(int64_t version, const std::vector<int>& members, size_t self, const ParityStore* own,
+                     long wait_ms);
 
   // At a parity holder, after member `lost_rank` of its group was lost:
   // rebuilds the lost member's piece of `version` from the committed block of
@@ -119,6 +124,8 @@ class Replicator {
     int holder = -1;
     uint32_t store = 0;
     uint32_t first_chunk = 0, end_chunk = 0;
+    const ParityStore* own = nullptr;  // not a push: wait for this rank's own block of the version
+    long wait_ms = 0;
   };
   // `targets`, or those `targets_of` makes from the version's layout.
   Status start_round(int64_t version, std::vector<Target> targets,

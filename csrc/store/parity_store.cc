@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 
 namespace peerstate {
 
@@ -290,6 +291,8 @@ void ParityStore::complete_if_done_locked(ParityVersion* block) {
   for (const auto& [rank, c] : block->contributions)
     if (c.folded != c.arrived.size()) return;
   block->complete = true;
+  for (auto it = rebuilt_.begin(); it != rebuilt_.end();)  // its replacement has pushed since: it has pulled
+    it = it->second->meta.version < block->version ? rebuilt_.erase(it) : std::next(it);
   changed_.notify_all();
 }
 
@@ -300,19 +303,48 @@ Status ParityStore::commit(int source_rank, int64_t version, Deadline deadline) 
     const ParityVersion* block = nullptr;
     for (const auto& b : blocks_)
       if (b && b->version == version) block = b.get();
-    if (block == nullptr) return Status(StatusCode::kAborted, what + " was dropped before its piece arrived");
-    auto it = block->contributions.find(source_rank);
-    if (it == block->contributions.end())
-      return Status(StatusCode::kAborted, what + " was dropped before its piece arrived");
-    const ParityContribution& c = it->second;
+    if (block == nullptr || block->contributions.count(source_rank) == 0)
+      return Status(StatusCode::kAborted, what + " was dropped before its block was complete");
+    const ParityContribution& c = block->contributions.at(source_rank);
     if (!c.failure.empty())
       return Status(c.failure.find("CRC32C") != std::string::npos ? StatusCode::kChecksumMismatch
                                                                    : StatusCode::kInvalidArgument,
                     c.failure);
-    if (c.folded == c.arrived.size()) return Status::Ok();
+    if (block->failed)
+      return Status(StatusCode::kAborted, "the parity of version " + std::to_string(version) + " failed (" +
+                                              failure_of(*block) + ")");
+    if (block->complete) return Status::Ok();
+    if (changed_.wait_until(lock, deadline) == std::cv_status::timeout) {
+      if (c.folded != c.arrived.size())
+        return Status(StatusCode::kTimeout, what + ": " + std::to_string(c.arrived.size() - c.folded) + " of " +
+                                                std::to_string(c.arrived.size()) + " chunks of its piece missing");
+      return Status(StatusCode::kTimeout,
+                    what + " is folded, but the version still lacks the pieces of " + missing_locked(*block));
+    }
+  }
+}
+
+Status ParityStore::wait_complete(int64_t version, Deadline deadline) const {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    const ParityVersion* block = nullptr;
+    int64_t newest = -1;
+    for (const auto& b : blocks_) {
+      if (b && b->version == version) block = b.get();
+      if (b) newest = std::max(newest, b->version);
+    }
+    if (block != nullptr && block->complete) return Status::Ok();
+    if (block != nullptr && block->failed)
+      return Status(StatusCode::kAborted, "the parity of version " + std::to_string(version) + " failed (" +
+                                              failure_of(*block) + ")");
+    if (block == nullptr && newest > version)
+      return Status(StatusCode::kNotFound,
+                    "this holder has no block of version " + std::to_string(version) + " (newer versions replaced it)");
+    // Not begun here yet (no other member's piece arrived), or still incomplete.
     if (changed_.wait_until(lock, deadline) == std::cv_status::timeout)
-      return Status(StatusCode::kTimeout, what + ": " + std::to_string(c.arrived.size() - c.folded) + " of " +
-                                              std::to_string(c.arrived.size()) + " chunks of its piece missing");
+      return Status(StatusCode::kTimeout, "version " + std::to_string(version) + " is not complete here" +
+                                              (block ? ": it lacks the pieces of " + missing_locked(*block)
+                                                     : std::string(": no member's piece of it arrived")));
   }
 }
 

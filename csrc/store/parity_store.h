@@ -132,10 +132,20 @@ class ParityStore {
   // their CRC32C: folds them into the block when `crc` matches the metadata's;
   // else fails the version (kChecksumMismatch) and folds nothing.
   Status fold(ChunkFold* fold, const unsigned char* staged, uint32_t crc);
-  // Waits until every chunk of the member's piece was folded. kTimeout;
-  // kChecksumMismatch or kInvalidArgument when its piece failed; kAborted when
-  // the version was dropped meanwhile.
+  // Waits until every chunk of the member's piece was folded, and then until
+  // the version's block is complete (every member's piece in): a member's
+  // round of pushes ends only when the version is covered at each of its
+  // holders. That couples the members' rounds, which is what keeps a
+  // recovery point: a member begins v + 1 only once v is complete at every
+  // holder of its group (its own included, Replicator::push_pieces), so the
+  // newest version complete at all of them is never the older of a holder's
+  // two blocks when a third version needs one. kTimeout; kChecksumMismatch or
+  // kInvalidArgument when a piece failed; kAborted when the version was dropped.
   Status commit(int source_rank, int64_t version, Deadline deadline);
+  // Waits until the block of `version` is complete here, however long before
+  // its first piece arrives (kTimeout; kAborted when it failed; kNotFound when
+  // newer blocks replaced it).
+  Status wait_complete(int64_t version, Deadline deadline) const;
 
   // A committed block: the newest (`version` -1), or the one before it while
   // its block has not been reused. kNotFound otherwise.
@@ -148,7 +158,9 @@ class ParityStore {
   void bound_versions(int64_t newest);
 
   // Keeps `piece` for its replacement to pull (replacing one of the same rank);
-  // held until forget_rebuilt(). kInvalidArgument for a rank not in the group.
+  // held until forget_rebuilt(), or until a newer version's block is complete
+  // (which needs the replacement's own piece: it pulled what it needed).
+  // kInvalidArgument for a rank not in the group.
   Status keep_rebuilt(std::shared_ptr<const RebuiltPiece> piece);
   // The rebuilt piece of (source_rank, version; -1: whichever is kept). kNotFound otherwise.
   Status rebuilt(int source_rank, int64_t version, std::shared_ptr<const RebuiltPiece>* out) const;
@@ -176,7 +188,7 @@ class ParityStore {
 
   const size_t budget_;
   mutable std::mutex mutex_;
-  std::condition_variable changed_;
+  mutable std::condition_variable changed_;
   std::vector<int> members_;
   size_t self_ = 0;
   size_t block_bytes_ = 0;

@@ -271,9 +271,12 @@ class Replicator:
 
     def __init__(self, store: SnapshotStore, transport: Transport, rank: int) -> None: ...
     def replicate(self, version: int, holders: List[int]) -> None: ...
-    def push_pieces(self, version: int, members: List[int], index: int) -> None:
+    def push_pieces(self, version: int, members: List[int], index: int, own: Optional[ParityStore] = None,
+                    wait_ms: int = 30000) -> None:
         """A round like replicate()'s to this rank's parity group (`members` in group order,
-        this rank at `index`): each other member gets the piece it folds."""
+        this rank at `index`): each other member gets the piece it folds, and its outcome is
+        ok once the version's block is complete there; with `own`, one more outcome (this
+        rank's) once its own block of the version is complete (waited up to `wait_ms`)."""
     def rebuild_piece(self, parity: ParityStore, lost_rank: int, version: int) -> None:
         """At a holder: rebuild the lost member's piece of `version` from the block and the
         other survivors' own snapshots (pulled at once), verify it against the member's

@@ -62,7 +62,7 @@ def start_group(cluster, versions):
             peers[r].call("push_pieces", version=version)
         for r in GROUP:
             results = peers[r].call("wait", version=version)["results"]
-            assert results == {str(h): None for h in GROUP if h != r}, (r, results)
+            assert results == {str(h): None for h in GROUP}, (r, results)  # its own block too
     return block_bytes, history
 
 
@@ -90,16 +90,20 @@ def test_pieces_fold_into_parity_and_a_killed_member_is_rebuilt_bitwise():
 
 
 def test_a_member_killed_mid_round_leaves_the_parity_before_it_whole_and_holds_the_next_back():
-    with Cluster(["a", "b", "c", "d"], k=1, **SETUP) as cluster:
+    # io_timeout: how long a round waits for a version to be covered before it fails.
+    with Cluster(["a", "b", "c", "d"], k=1, io_timeout=3.0, **SETUP) as cluster:
         _, history = start_group(cluster, versions=1)
         peers = cluster.peers
         for r in GROUP:
             peers[r].call("step", version=2, replicate=False)
         for r in (0, 2, 3):
             peers[r].call("push_pieces", version=2)
-        for r in (0, 2, 3):  # a member's round ends when its own pieces are folded
-            assert all(e is None for e in peers[r].call("wait", version=2)["results"].values())
         peers[1].kill()  # before it pushed version 2: no block of 2 is complete anywhere
+        for r in (0, 2, 3):  # a round ends only when its version is covered: these never are
+            results = peers[r].call("wait", version=2)["results"]
+            assert set(results) == {str(h) for h in GROUP} and results["1"], results  # rank 1 itself is gone
+            assert all(results.values()), results  # at the holders: the server's or the client's wait ran out
+            assert "lacks the pieces of rank 1" in results[str(r)], results
         for holder in (0, 2, 3):
             assert peers[holder].call("parity")["committed"] == [1]
         # Every survivor still holds its own version 1: rank 1's is rebuilt from it.
@@ -118,7 +122,7 @@ def test_a_member_killed_mid_round_leaves_the_parity_before_it_whole_and_holds_t
         peers[0].call("step", version=3, replicate=False)
         peers[0].call("push_pieces", version=3)
         results = peers[0].call("wait", version=3)["results"]
-        refused = [e for h, e in results.items() if h != "1"]
+        refused = [e for h, e in results.items() if h not in ("0", "1")]  # not itself, nor the dead
         assert refused and all(e and "BusyError" in e and "rank 1" in e for e in refused), results
 
 

@@ -95,7 +95,7 @@ class Replication:
         self.placement = placement
         self.host = host
         self.version_window = VERSION_WINDOW_SNAPSHOTS * snapshot_every
-        io_ms = int(io_timeout * 1000)
+        io_ms = self._io_ms = int(io_timeout * 1000)
         self.replicas = _C.ReplicaStore(budget_bytes=replica_budget_bytes or 0,
                                         device=-1 if replica_device is None else replica_device)
         self.server = _C.TcpServer(self.replicas, store.native, credentials=credentials, host=host, port=port,
@@ -336,9 +336,11 @@ class Replication:
 
     def push_pieces(self, version: int) -> None:
         """Send committed ``version`` to this rank's parity group, one piece to each other
-        member, in the background, as ``replicate`` does for buddies (``wait`` ends it)."""
+        member, in the background, as ``replicate`` does for buddies (``wait`` ends it: each
+        member's outcome, this rank's own included, is ok once the version's block is
+        complete there; see ``_C.Replicator.push_pieces``)."""
         members, self_index = self._parity_group()
-        self.replicator.push_pieces(version, members, self_index)
+        self.replicator.push_pieces(version, members, self_index, self.parity, self._io_ms)
 
     def rebuild_piece(self, lost: int, version: int) -> None:
         """At a holder: rebuild the piece of ``lost``'s ``version`` this rank keeps parity

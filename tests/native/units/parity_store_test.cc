@@ -70,10 +70,21 @@ Status fold_chunks(ParityStore& store, const Version& v, uint32_t from = 0, long
   return Status::Ok();
 }
 
-Status push(ParityStore& store, const Version& v, long corrupt = -1) {
+// A member's piece sent, not committed (a commit waits for every member's piece).
+Status send(ParityStore& store, const Version& v, long corrupt = -1) {
   PEERSTATE_RETURN_IF_ERROR(store.begin(v.meta));
-  PEERSTATE_RETURN_IF_ERROR(fold_chunks(store, v, 0, -1, corrupt));
-  return store.commit(v.meta.source_rank, v.meta.version, deadline_after_ms(5000));
+  return fold_chunks(store, v, 0, -1, corrupt);
+}
+
+Status commit(ParityStore& store, const Version& v, long ms = 5000) {
+  return store.commit(v.meta.source_rank, v.meta.version, deadline_after_ms(ms));
+}
+
+// Every member's piece sent, then each committed.
+Status push_all(ParityStore& store, const std::vector<Version>& members) {
+  for (const Version& v : members) PEERSTATE_RETURN_IF_ERROR(send(store, v));
+  for (const Version& v : members) PEERSTATE_RETURN_IF_ERROR(commit(store, v));
+  return Status::Ok();
 }
 
 // The block a version's pieces must make, by plain byte XOR.
@@ -130,7 +141,10 @@ TEST(ParityStore, FoldsEveryMembersPieceIntoOneBlockThatRebuildsALostOne) {
   const std::vector<Version> v1 = versions(1);
   std::vector<std::thread> members;
   std::vector<Status> results(v1.size());
-  for (size_t i = 0; i < v1.size(); i++) members.emplace_back([&, i] { results[i] = push(store, v1[i]); });
+  for (size_t i = 0; i < v1.size(); i++) members.emplace_back([&, i] {
+    results[i] = send(store, v1[i]);
+    if (results[i].ok()) results[i] = commit(store, v1[i]);  // returns once all three are in
+  });
   for (auto& t : members) t.join();
   for (const Status& st : results) ASSERT_TRUE(st.ok()) << st.message();
   ASSERT_EQ(store.committed(), std::vector<int64_t>{1});
@@ -148,10 +162,15 @@ TEST(ParityStore, FoldsEveryMembersPieceIntoOneBlockThatRebuildsALostOne) {
 TEST(ParityStore, AnIncompleteVersionStaysInvisibleAndHoldsTheNextBackNamingWhoIsMissing) {
   std::unique_ptr<ParityStore> held = held_store();
   ParityStore& store = *held;
-  for (const Version& v : versions(1)) ASSERT_TRUE(push(store, v).ok());
+  ASSERT_TRUE(push_all(store, versions(1)).ok());
   const std::vector<Version> v2 = versions(2);
-  ASSERT_TRUE(push(store, v2[0]).ok());  // a member's commit waits for its own piece only
-  ASSERT_TRUE(push(store, v2[1]).ok());
+  ASSERT_TRUE(send(store, v2[0]).ok());
+  ASSERT_TRUE(send(store, v2[1]).ok());
+  // A member's round ends only when the whole version is covered here.
+  Status waiting = commit(store, v2[0], 100);
+  EXPECT_EQ(waiting.code(), StatusCode::kTimeout);
+  EXPECT_NE(waiting.message().find("rank 13"), std::string::npos) << waiting.message();
+  EXPECT_EQ(store.wait_complete(2, deadline_after_ms(50)).code(), StatusCode::kTimeout);
   EXPECT_EQ(store.committed(), std::vector<int64_t>{1});
   std::shared_ptr<const ParityVersion> got;
   EXPECT_EQ(store.get(2, &got).code(), StatusCode::kNotFound);
@@ -159,25 +178,30 @@ TEST(ParityStore, AnIncompleteVersionStaysInvisibleAndHoldsTheNextBackNamingWhoI
   Status busy = store.begin(version_of(11, 3).meta);
   EXPECT_EQ(busy.code(), StatusCode::kBusy);
   EXPECT_NE(busy.message().find("rank 13"), std::string::npos) << busy.message();
-  ASSERT_TRUE(push(store, v2[2]).ok());
+  ASSERT_TRUE(send(store, v2[2]).ok());
+  for (const Version& v : v2) EXPECT_TRUE(commit(store, v).ok());
+  EXPECT_TRUE(store.wait_complete(2, deadline_after_ms(50)).ok());
   EXPECT_EQ(store.committed(), (std::vector<int64_t>{2, 1}));
   EXPECT_EQ(block_of(store, 2), expected_block(v2, store.block_bytes()));
   EXPECT_TRUE(store.begin(version_of(11, 3).meta).ok());  // reuses version 1's block
   EXPECT_EQ(store.committed(), std::vector<int64_t>{2});
+  EXPECT_EQ(store.wait_complete(1, deadline_after_ms(50)).code(), StatusCode::kNotFound);
 }
 
 TEST(ParityStore, ACorruptChunkFoldsNothingFailsItsVersionAndTheNextOneReplacesIt) {
   std::unique_ptr<ParityStore> held = held_store();
   ParityStore& store = *held;
-  for (const Version& v : versions(1)) ASSERT_TRUE(push(store, v).ok());
+  ASSERT_TRUE(push_all(store, versions(1)).ok());
   const std::vector<Version> v2 = versions(2);
-  ASSERT_TRUE(push(store, v2[0]).ok());
-  EXPECT_EQ(push(store, v2[1], v2[1].piece.first_chunk + 1).code(), StatusCode::kChecksumMismatch);
+  ASSERT_TRUE(send(store, v2[0]).ok());
+  ASSERT_TRUE(send(store, v2[1], v2[1].piece.first_chunk + 1).ok());
+  EXPECT_EQ(commit(store, v2[1]).code(), StatusCode::kChecksumMismatch);
+  EXPECT_EQ(commit(store, v2[0]).code(), StatusCode::kAborted);  // its version can never be covered
   EXPECT_EQ(store.begin(v2[2].meta).code(), StatusCode::kInvalidArgument);  // the version is dead
   EXPECT_EQ(store.committed(), std::vector<int64_t>{1});
   EXPECT_EQ(block_of(store, 1), expected_block(versions(1), store.block_bytes()));
   const std::vector<Version> v3 = versions(3);
-  for (const Version& v : v3) ASSERT_TRUE(push(store, v).ok());  // no wait for the failed version
+  ASSERT_TRUE(push_all(store, v3).ok());  // no wait for the failed version
   EXPECT_EQ(block_of(store, 3), expected_block(v3, store.block_bytes()));
 }
 
@@ -207,7 +231,7 @@ TEST(ParityStore, RefusesWhatIsNotThisHoldersToFold) {
   // Versions: newer than the committed block, within the job's bound.
   std::unique_ptr<ParityStore> bounded_store = held_store();
   ParityStore& bounded = *bounded_store;
-  for (const Version& m : versions(5)) ASSERT_TRUE(push(bounded, m).ok());
+  ASSERT_TRUE(push_all(bounded, versions(5)).ok());
   EXPECT_EQ(bounded.begin(version_of(12, 5).meta).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(bounded.begin(version_of(12, 4).meta).code(), StatusCode::kInvalidArgument);
   bounded.bound_versions(7);
@@ -221,23 +245,21 @@ TEST(ParityStore, ARetryFoldsNothingTwiceAndAConflictingOneFailsTheVersion) {
   const std::vector<Version> v1 = versions(1);
   ASSERT_TRUE(store.begin(v1[0].meta).ok());
   ASSERT_TRUE(fold_chunks(store, v1[0], 0, 1).ok());  // the connection broke after one chunk
-  ASSERT_TRUE(push(store, v1[0]).ok());                // the retry sends them all again
-  ASSERT_TRUE(push(store, v1[1]).ok());
-  ASSERT_TRUE(push(store, v1[2]).ok());
+  ASSERT_TRUE(push_all(store, v1).ok());               // the retry sends them all again
   EXPECT_EQ(block_of(store, 1), expected_block(v1, store.block_bytes()));
   const std::vector<Version> v2 = versions(2);
-  ASSERT_TRUE(push(store, v2[0]).ok());
+  ASSERT_TRUE(send(store, v2[0]).ok());
   Version other = version_of(11, 2);
   other.meta.checksums[0] ^= 1;  // another state under the same number
   EXPECT_EQ(store.begin(other.meta).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(store.commit(11, 2, deadline_after_ms(1000)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(commit(store, v2[0], 1000).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(ParityStore, ARollbackDropsTheAbandonedVersionsAndLetsTheRerunsNumbersIn) {
   std::unique_ptr<ParityStore> held = held_store();
   ParityStore& store = *held;
-  for (const Version& v : versions(1)) ASSERT_TRUE(push(store, v).ok());
-  for (const Version& v : versions(2)) ASSERT_TRUE(push(store, v).ok());
+  ASSERT_TRUE(push_all(store, versions(1)).ok());
+  ASSERT_TRUE(push_all(store, versions(2)).ok());
   store.drop_newer(1);
   EXPECT_EQ(store.committed(), std::vector<int64_t>{1});
   std::vector<Version> rerun = versions(2);
@@ -245,8 +267,29 @@ TEST(ParityStore, ARollbackDropsTheAbandonedVersionsAndLetsTheRerunsNumbersIn) {
     v.region[0] ^= 0xff;
     v.meta.checksums[0] = chunk_checksum(*v.meta.layout, 0, v.region.data());
   }
-  for (const Version& v : rerun) ASSERT_TRUE(push(store, v).ok());
+  ASSERT_TRUE(push_all(store, rerun).ok());
   EXPECT_EQ(block_of(store, 2), expected_block(rerun, store.block_bytes()));
+}
+
+TEST(ParityStore, ARebuiltPieceIsServedUntilANewerVersionIsCoveredWhichNeedsItsReplacement) {
+  std::unique_ptr<ParityStore> held = held_store();
+  ParityStore& store = *held;
+  ASSERT_TRUE(push_all(store, versions(1)).ok());
+  auto piece = std::make_shared<RebuiltPiece>();
+  piece->meta = version_of(12, 1).meta;
+  piece->piece = version_of(12, 1).piece;
+  ASSERT_TRUE(piece->bytes.allocate(store.block_bytes()).ok());
+  ASSERT_TRUE(store.keep_rebuilt(piece).ok());
+  std::shared_ptr<const RebuiltPiece> got;
+  EXPECT_TRUE(store.rebuilt(12, 1, &got).ok());
+  EXPECT_EQ(store.rebuilt(12, 2, &got).code(), StatusCode::kNotFound);
+  EXPECT_EQ(store.rebuilt(11, 1, &got).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(push_all(store, versions(2)).ok());  // rank 12's replacement pushed version 2
+  EXPECT_EQ(store.rebuilt(12, 1, &got).code(), StatusCode::kNotFound);
+  auto stranger = std::make_shared<RebuiltPiece>();
+  stranger->meta = version_of(12, 1).meta;
+  stranger->meta.source_rank = 42;
+  EXPECT_EQ(store.keep_rebuilt(stranger).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace
