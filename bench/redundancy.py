@@ -24,9 +24,12 @@ eager pipeline, for every mode; held for others: two regions per copy or parity 
 kept: the committed version and the incoming one), bytes pushed per rank per
 version, and bytes a replacement pulls and from how many sources.
 
-Not measured here, because parity groups are not wired into the job yet (issue
-#40): step overhead and kill-to-first-step with parity. Buddies' are in
-``bench/recovery.py`` and ``bench/overhead.py``.
+Pieces are whole chunks of the snapshot (4 MiB, ``--chunk-bytes``), as the job
+cuts them: a block is 1/(g - 1) of the shard rounded up to a chunk.
+
+Not measured here: step overhead and kill-to-first-step with parity in the job
+(``Job(parity_group=g)``); buddies' are in ``bench/recovery.py`` and
+``bench/overhead.py``.
 
     python bench/redundancy.py            # shards of 64 MiB, 256 MiB and 1 GiB
     python bench/redundancy.py --quick    # 64 MiB and 256 MiB
@@ -46,6 +49,7 @@ import numpy as np
 from peerstate import _probes
 from peerstate._C import ParityCoder
 from peerstate.replication.parity import ParityLayout, encode, rebuild, rebuild_piece
+from peerstate.state.snapshot import DEFAULT_CHUNK_BYTES
 from peerstate.worker.options import JobOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -85,8 +89,8 @@ def limits(size: int, threads: int, repeats: int) -> dict:
     return dict(memcpy_1_s=one, memcpy_all_s=every, tcp_s=size / tcp_GBps / 1e9)
 
 
-def parity_row(size: int, members: int, threads: int, repeats: int, limit: dict) -> dict:
-    layout = ParityLayout([size] * members)
+def parity_row(size: int, members: int, threads: int, repeats: int, limit: dict, chunk_bytes: int) -> dict:
+    layout = ParityLayout([size] * members, chunk_bytes)
     shards = group_shards(size, members)
     one, every = ParityCoder(1), ParityCoder(threads)
     parity = np.empty(layout.held_bytes(), np.uint8)
@@ -149,6 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="64 MiB and 256 MiB shards only")
     parser.add_argument("--sizes", type=int, nargs="+", help="shard sizes in MiB (default 64 256 1024)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                        help="the snapshot's chunk, of which pieces are whole numbers (default: the job's)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "redundancy.json"))
     args = parser.parse_args(argv)
     sizes = args.sizes or ([64, 256] if args.quick else [64, 256, 1024])
@@ -159,13 +165,14 @@ def main(argv=None) -> int:
         limit = limits(size, threads, args.repeats)
         limit_rows.append(dict(size_mib=size_mib, **limit))
         rows += copy_rows(size)
-        rows += [parity_row(size, members, threads, args.repeats, limit) for members in (4, 8)]
+        rows += [parity_row(size, members, threads, args.repeats, limit, args.chunk_bytes) for members in (4, 8)]
     print(table(rows, limit_rows))
     print("memory: own versions (4; '3 vers.': Job(versions=3)) + held for others, in shards (computed from the "
           "layout); pushed: bytes per version per rank, in shards; encode: a holder's XOR of its g-1 pieces; "
           "piece: one holder's share of a rebuild; rebuild: the whole lost shard in one process, vs plain TCP of "
           "the shard. m=2 (Reed-Solomon) is not built.")
     result = dict(rows=rows, limits=limit_rows, threads=threads, versions=VERSIONS, regions=REGIONS,
+                  chunk_bytes=args.chunk_bytes,
                   machine=dict(cores=threads, cpu=platform.processor() or platform.machine()))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

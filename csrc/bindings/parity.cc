@@ -35,17 +35,21 @@ void bind_parity(py::module_& m) {
 
   m.def(
       "parity_pieces",
-      [](const SnapshotStore& store, int64_t version, size_t group_size) {
-        VersionView view;
-        raise_if_error(store.view(version, &view));
+      [](const SnapshotStore& store, const py::object& version, size_t group_size) {
+        std::shared_ptr<const Layout> layout = store.current_layout();
+        if (!version.is_none()) {
+          VersionView view;
+          raise_if_error(store.view(version.cast<int64_t>(), &view));
+          layout = view.layout;
+        }
         py::list out;
         for (size_t piece = 0; piece + 1 < group_size; piece++) {
-          const ParityPiece p = parity_piece(*view.layout, group_size, piece);
+          const ParityPiece p = parity_piece(*layout, group_size, piece);
           out.append(py::make_tuple(p.first_chunk, p.end_chunk, p.region_offset, p.nbytes));
         }
         return out;
       },
-      py::arg("store"), py::arg("version"), py::arg("group_size"));
+      py::arg("store"), py::arg("version").none(true), py::arg("group_size"));
 
   py::class_<ParityStore, std::unique_ptr<ParityStore, ReleaseGilDeleter>>(m, "ParityStore")
       .def(py::init<size_t>(), py::kw_only(), py::arg("budget_bytes") = 0)
@@ -66,6 +70,8 @@ void bind_parity(py::module_& m) {
       .def("reserved_bytes", &ParityStore::reserved_bytes)
       .def_property_readonly("budget_bytes", &ParityStore::budget_bytes)
       .def("forget_rebuilt", &ParityStore::forget_rebuilt)
+      .def("interrupt_waits", &ParityStore::interrupt_waits)
+      .def("resume_waits", &ParityStore::resume_waits)
       .def(
           "block",
           [](const ParityStore& p, int64_t version) {

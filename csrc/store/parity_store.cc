@@ -324,9 +324,22 @@ Status ParityStore::commit(int source_rank, int64_t version, Deadline deadline) 
   }
 }
 
+void ParityStore::interrupt_waits() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  interrupted_ = true;
+  changed_.notify_all();
+}
+
+void ParityStore::resume_waits() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  interrupted_ = false;
+}
+
 Status ParityStore::wait_complete(int64_t version, Deadline deadline) const {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
+    if (interrupted_)
+      return Status(StatusCode::kAborted, "the wait for version " + std::to_string(version) + " was interrupted");
     const ParityVersion* block = nullptr;
     int64_t newest = -1;
     for (const auto& b : blocks_) {

@@ -143,9 +143,13 @@ class ParityStore {
   // kInvalidArgument when a piece failed; kAborted when the version was dropped.
   Status commit(int source_rank, int64_t version, Deadline deadline);
   // Waits until the block of `version` is complete here, however long before
-  // its first piece arrives (kTimeout; kAborted when it failed; kNotFound when
-  // newer blocks replaced it).
+  // its first piece arrives (kTimeout; kAborted when it failed or
+  // interrupt_waits() was called meanwhile; kNotFound when newer blocks replaced it).
   Status wait_complete(int64_t version, Deadline deadline) const;
+  // Ends every wait_complete() in progress, and any begun before resume_waits(),
+  // with kAborted (a recovery began: the versions being waited for will not be covered).
+  void interrupt_waits();
+  void resume_waits();
 
   // A committed block: the newest (`version` -1), or the one before it while
   // its block has not been reused. kNotFound otherwise.
@@ -197,6 +201,7 @@ class ParityStore {
   std::array<std::shared_ptr<ParityVersion>, 2> blocks_;
   std::map<int, std::shared_ptr<const RebuiltPiece>> rebuilt_;
   int64_t newest_allowed_ = -1;
+  bool interrupted_ = false;  // between interrupt_waits() and resume_waits()
 };
 
 }  // namespace peerstate

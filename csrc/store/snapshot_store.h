@@ -146,6 +146,9 @@ class SnapshotStore {
   Status close();
 
   std::vector<int64_t> committed_versions() const;
+  // The layout of the current registration (what the next snapshot is laid out as).
+  // Like memory(), not to be called while buffers are being registered.
+  std::shared_ptr<const Layout> current_layout() const { return layout_; }
   int64_t in_flight_version() const;  // -1 when none
   MemoryReport memory() const;
   // A committed version's bytes and layout (`version` -1: the newest; kNotFound

@@ -314,9 +314,10 @@ def nccl_load() -> Dict[str, Any]:
 def nccl_unique_id() -> bytes: ...
 def nccl_transport(unique_id: bytes, nranks: int, rank: int, device: int, timeout_ms: int = 60000) -> Transport: ...
 
-def parity_pieces(store: SnapshotStore, version: int, group_size: int) -> List[Tuple[int, int, int, int]]:
-    """The g - 1 pieces a member cuts `version` into: (first chunk, end chunk, region offset,
-    nbytes) each, whole chunks (csrc/store/parity.h); piece t goes to member (i + 1 + t) mod g."""
+def parity_pieces(store: SnapshotStore, version: Optional[int], group_size: int) -> List[Tuple[int, int, int, int]]:
+    """The g - 1 pieces a member cuts `version` (None: the next snapshot, as registered now)
+    into: (first chunk, end chunk, region offset, nbytes) each, whole chunks
+    (csrc/store/parity.h); piece t goes to member (i + 1 + t) mod g."""
 
 class ParityStore:
     """The parity block a holder keeps for its group (csrc/store/parity_store.h): the other
@@ -344,6 +345,10 @@ class ParityStore:
     def budget_bytes(self) -> int: ...
     def forget_rebuilt(self) -> None:
         """Free the pieces rebuilt here."""
+    def interrupt_waits(self) -> None:
+        """End every wait for a block to be complete (a round's own outcome), and those begun
+        before resume_waits(), with AbortedError."""
+    def resume_waits(self) -> None: ...
     def block(self, version: int = -1) -> Tuple[int, bytes]:
         """(version, a copy of its block): the newest committed, or `version`."""
 

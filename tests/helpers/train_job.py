@@ -25,6 +25,7 @@ parser.add_argument("--data-parallel", action="store_true", help="track(data_par
 parser.add_argument("--data-parallel-shares", type=int, default=None, help="Job(data_parallel_shares=N)")
 parser.add_argument("--versions", type=int, default=4, help="Job(versions=N): 3 runs the eager pipeline")
 parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
+parser.add_argument("--parity-group", type=int, default=0, help="Job(parity_group=G): parity groups, not buddies")
 parser.add_argument("--trace", action="store_true", help="print a digest of the parameters at each step")
 parser.add_argument("--width", type=int, default=64)
 parser.add_argument("--subgroups", action="store_true",
@@ -83,7 +84,8 @@ torch.set_num_threads(1)
 if args.init_process_group == "before":
     torch.distributed.init_process_group("gloo")
 job = peerstate.Job(join_timeout=60.0, failure_grace=args.failure_grace, abort_timeout=args.abort_timeout,
-                    data_parallel_shares=args.data_parallel_shares, versions=args.versions)
+                    data_parallel_shares=args.data_parallel_shares, versions=args.versions,
+                    parity_group=args.parity_group)
 if args.init_process_group == "after":
     torch.distributed.init_process_group("gloo")
 hold_rank, hold_step = map(int, args.hold.split(":")) if args.hold else (None, None)

@@ -7,10 +7,13 @@ import warnings
 import numpy as np
 import pytest
 
-from peerstate._C import ParityCoder
+from peerstate._C import ParityCoder, parity_pieces
 from peerstate.errors import InvalidArgumentError
 from peerstate.replication.parity import ParityGroups, ParityLayout, encode, rebuild, rebuild_piece
 from peerstate.replication.placement import PlacementWarning
+
+
+CHUNK = 64  # bytes: small chunks, so that small shards cut into several pieces as large ones do
 
 
 def shards_of(sizes, seed):
@@ -58,7 +61,7 @@ def test_the_native_fold_refuses_what_it_cannot_do_and_writes_nothing():
 @pytest.mark.parametrize("sizes", [[4096] * 4, [1_000_003, 999_937, 12, 0], [5, 4, 3], [777] * 8, [64, 65]])
 def test_any_one_lost_member_is_rebuilt_bitwise(sizes):
     coder = ParityCoder(2)
-    layout = ParityLayout(sizes)
+    layout = ParityLayout(sizes, CHUNK)
     shards = shards_of(sizes, seed=len(sizes))
     parities = all_parities(coder, layout, shards)
     for lost in range(len(sizes)):
@@ -71,7 +74,7 @@ def test_any_one_lost_member_is_rebuilt_bitwise(sizes):
 
 
 def test_no_member_holds_parity_of_its_own_bytes_and_every_byte_is_covered_once():
-    layout = ParityLayout([1000, 640, 999, 1])
+    layout = ParityLayout([1000, 640, 999, 1], CHUNK)
     for holder in range(layout.members):
         assert holder not in [m for m, _ in layout.folded_into(holder)]
     for member in range(layout.members):
@@ -79,23 +82,21 @@ def test_no_member_holds_parity_of_its_own_bytes_and_every_byte_is_covered_once(
         assert covered == layout.sizes[member] == layout.pushed_bytes(member)
         assert sorted(layout.holder(member, p) for p in range(layout.members - 1)) == \
             [m for m in range(layout.members) if m != member]
-    # Held per member: a parity block of 1/(g-1) of the largest shard, in whole cache lines
-    # (1000 / 3 = 333.3 bytes -> 6 lines of 64).
+    # Held per member: a parity block of the largest piece, whole chunks of 64 bytes
+    # (1000 bytes are 16 chunks, cut into pieces of 6, 5 and 5 chunks).
     assert layout.held_bytes() == 384
 
 
 def test_a_parity_is_the_pieces_other_members_folded_into_it():
     coder = ParityCoder(1)
-    layout = ParityLayout([300, 300, 300, 300])
+    layout = ParityLayout([300, 300, 300, 300], CHUNK)
     shards = shards_of(layout.sizes, seed=3)
-    piece = layout.piece_bytes
     for holder in range(4):
-        expected = np.zeros(piece, np.uint8)
+        expected = np.zeros(layout.piece_bytes, np.uint8)
         for member in range(4):
             if member != holder:
-                start = ((holder - member - 1) % 4) * piece
-                chunk = shards[member][start:start + piece]
-                expected[:chunk.nbytes] ^= chunk
+                start, nbytes = layout.piece(member, (holder - member - 1) % 4)
+                expected[:nbytes] ^= shards[member][start:start + nbytes]
         assert np.array_equal(encode(coder, layout, holder, shards), expected)
 
 
@@ -103,7 +104,7 @@ def test_a_changed_survivor_does_not_rebuild_the_lost_member():
     """The survivors' shards must be of the parity's version: one byte of another
     version in a survivor changes the rebuilt shard (the version rule the recovery keeps)."""
     coder = ParityCoder(1)
-    layout = ParityLayout([4096] * 4)
+    layout = ParityLayout([4096] * 4, CHUNK)
     shards = shards_of(layout.sizes, seed=4)
     parities = all_parities(coder, layout, shards)
     newer = [s.copy() for s in shards]
@@ -114,7 +115,7 @@ def test_a_changed_survivor_does_not_rebuild_the_lost_member():
 
 def test_rebuild_pieces_run_at_each_holder_on_their_own():
     coder = ParityCoder(1)
-    layout = ParityLayout([10_000] * 5)
+    layout = ParityLayout([10_000] * 5, CHUNK)
     shards = shards_of(layout.sizes, seed=5)
     parities = all_parities(coder, layout, shards)
     lost = 3
@@ -182,7 +183,7 @@ def test_too_few_nodes_is_said_or_refused():
 
 def test_bad_buffers_are_refused_with_what_to_do():
     coder = ParityCoder(1)
-    layout = ParityLayout([100, 100, 100])
+    layout = ParityLayout([100, 100, 100], CHUNK)
     shards = shards_of(layout.sizes, seed=6)
     with pytest.raises(InvalidArgumentError, match="uint8"):
         encode(coder, layout, 0, [None, shards[1].view(np.int16), shards[2]])
@@ -223,10 +224,27 @@ def test_the_redundancy_benchmark_runs_and_checks_its_rebuilds(tmp_path):
 
     bench = Path(__file__).resolve().parents[2] / "bench" / "redundancy.py"
     out = tmp_path / "redundancy.json"
-    done = subprocess.run([sys.executable, str(bench), "--sizes", "1", "--repeats", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(bench), "--sizes", "1", "--repeats", "1", "--out", str(out),
+                           "--chunk-bytes", "65536"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
     assert rows["buddies k=1"]["memory_x"] == 6.0 and rows["buddies k=1"]["pushed_x"] == 1.0
     assert rows["parity g=4 m=1"]["rebuilt_bitwise"] and rows["parity g=8 m=1"]["pull_sources"] == 7
     assert rows["parity g=4 m=1"]["held_for_others_x"] < rows["buddies k=1"]["held_for_others_x"] / 2
+
+
+@pytest.mark.parametrize("nbytes, group", [(4096, 4), (1_000_000, 4), (1_000_000, 8), (200, 4)])
+def test_the_layout_cuts_a_shard_as_the_job_does(nbytes, group):
+    """The pieces of this layout are those the job pushes (_C.parity_pieces, from the
+    snapshot's own layout), for a shard of one buffer."""
+    from peerstate.state.snapshot import SnapshotStore
+    import torch
+
+    store = SnapshotStore(chunk_bytes=4096, threads=1)
+    store.register_many({"shard": torch.zeros(nbytes, dtype=torch.uint8)})
+    native = parity_pieces(store.native, None, group)
+    layout = ParityLayout([nbytes] * group, 4096)
+    # (An empty piece has no offset: the native layout says 0, this one the shard's end.)
+    assert [(offset, min(size, nbytes - offset)) if size else 0 for _first, _end, offset, size in native] == \
+        [layout.piece(0, t) if layout.piece(0, t)[1] else 0 for t in range(group - 1)]
+    store.close()

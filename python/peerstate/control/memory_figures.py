@@ -30,7 +30,10 @@ def describe_memory(per_rank: Mapping[Any, Mapping[str, Any]]) -> str:
     shares = [m["node_share"] for m in per_rank.values() if m.get("node_share")]
     share = min(shares) if shares else 0
     of_share = f", {100 * total / share:.2g}% of its share of the node ({share / 1e9:.1f} GB)" if share else ""
+    # What it holds for others: its buddies' replicas, or its parity group's blocks (Job(parity_group=g)).
+    others = "parity group's blocks" if any(m.get("redundancy") == "parity" for m in per_rank.values()) \
+        else "buddies' replicas"
     return (f"host memory a rank holds for recoveries (the most of {len(per_rank)} ranks): its snapshots "
             f"{most['snapshots_held'] / 1e6:.1f} MB ({most['snapshots_held'] / copied:.1f}x what it copies a step, "
-            f"{copied / 1e6:.1f} MB), its buddies' replicas {most['replicas_held'] / 1e6:.1f} MB "
+            f"{copied / 1e6:.1f} MB), its {others} {most['replicas_held'] / 1e6:.1f} MB "
             f"({most['replicas_held'] / copied:.1f}x); {total / copied:.1f}x its state in all{of_share}")

@@ -65,6 +65,8 @@ class MemberReport:
     # Versions of its own data-parallel share it holds although it needs state: adopted from
     # that predecessor, served like a survivor's.
     adopted_share: List[int] = field(default_factory=list)
+    # Versions whose parity block is complete here (parity groups; Replication.parity_versions).
+    parity: List[int] = field(default_factory=list)
 
     def encode(self) -> bytes:
         """A JSON array, fields in declaration order, maps as [key, value] pairs: the plan
@@ -74,8 +76,8 @@ class MemberReport:
         return json.dumps([self.rank, self.worker, self.local, list(self.replicas.items()), self.address,
                            self.needs_state, self.pid, list(self.shared_regions.items()), self.checkpoint,
                            None if layout is None else [layout.k, layout.share_count, layout.data_parallel,
-                                                        layout.replica_mesh, layout.replica_dim],
-                           self.stopped, self.adopted_share]).encode()
+                                                        layout.replica_mesh, layout.replica_dim, layout.parity_group],
+                           self.stopped, self.adopted_share, self.parity]).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "MemberReport":
@@ -84,14 +86,15 @@ class MemberReport:
     @classmethod
     def from_list(cls, data: list) -> "MemberReport":
         """From a decoded ``encode()`` (no copies, no per-field checks)."""
-        rank, worker, local, replicas, address, needs_state, pid, regions, checkpoint, layout, stopped, adopted = data
+        (rank, worker, local, replicas, address, needs_state, pid, regions, checkpoint, layout, stopped, adopted,
+         parity) = data
         report = cls.__new__(cls)
         report.__dict__.update(
             rank=rank, worker=worker, local=local, replicas=dict(replicas), address=tuple(address),
             needs_state=needs_state, pid=pid, shared_regions=dict(regions),
             checkpoint=tuple(checkpoint) if checkpoint else None,
-            layout=_layout(layout[0], layout[1], layout[2], tuple(layout[3]), layout[4]) if layout else None,
-            stopped=stopped, adopted_share=adopted)
+            layout=_layout(layout[0], layout[1], layout[2], tuple(layout[3]), layout[4], layout[5]) if layout else None,
+            stopped=stopped, adopted_share=adopted, parity=parity)
         return report
 
 
@@ -110,12 +113,13 @@ class StateLayout:
     # "replicate" dimension), or every rank when ``replica_mesh`` is empty (DDP).
     replica_mesh: Tuple[int, ...] = ()
     replica_dim: int = -1
+    parity_group: int = 0  # g of ``Job(parity_group=g)``; 0: buddies (k)
 
 
 @functools.lru_cache(maxsize=64)
 def _layout(k: int, share_count: int, data_parallel: bool, replica_mesh: Tuple[int, ...],
-            replica_dim: int) -> StateLayout:
-    return StateLayout(k, share_count, data_parallel, replica_mesh, replica_dim)  # one object per layout
+            replica_dim: int, parity_group: int) -> StateLayout:
+    return StateLayout(k, share_count, data_parallel, replica_mesh, replica_dim, parity_group)  # one per layout
 
 
 @dataclass
@@ -170,12 +174,15 @@ class RestorePlan:
     shares: Dict[int, SharePull] = field(default_factory=dict)  # share -> its pull
     checkpoint: Optional[str] = None  # CHECKPOINT: the directory to load
     message: str = ""                 # CHECKPOINT, LOST: which state was lost, in words
+    parity: bool = False              # PEERS: own_sources is this rank's parity group, in group order
+    rebuild: List[int] = field(default_factory=list)  # LOCAL: lost members whose piece this holder rebuilds
 
     def to_dict(self) -> dict:
         return {"source": self.source.value, "version": self.version, "own_sources": self.own_sources,
                 "shares": {s: {"share": p.share, "sources": p.sources, "same_node": p.same_node}
                            for s, p in self.shares.items()},
-                "checkpoint": self.checkpoint, "message": self.message}
+                "checkpoint": self.checkpoint, "message": self.message, "parity": self.parity,
+                "rebuild": self.rebuild}
 
     @classmethod
     def from_dict(cls, data: dict) -> "RestorePlan":
@@ -217,6 +224,8 @@ class NodeInstructions:
     share_of: Dict[int, int] = field(default_factory=dict)             # member -> the share it snapshots
     members: List[int] = field(default_factory=list)                   # the node's members in this epoch
     share_count: int = 1                                               # shares per replica set (share % count: the store)
+    parity: bool = False                                               # own_sources are parity groups
+    rebuild: Dict[int, List[int]] = field(default_factory=dict)        # member -> lost ranks whose piece it rebuilds
 
     def encode(self) -> bytes:
         return json.dumps(self.__dict__).encode()  # flat: faster than asdict, the same fields
@@ -225,6 +234,6 @@ class NodeInstructions:
     def decode(cls, raw: bytes) -> "NodeInstructions":
         data = json.loads(raw)
         data["addresses"] = {int(p): tuple(a) for p, a in data["addresses"].items()}
-        for name in ("share_sources", "own_sources", "share_of"):
+        for name in ("share_sources", "own_sources", "share_of", "rebuild"):
             data[name] = {int(k): v for k, v in data[name].items()}
         return cls(**data)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from peerstate.control import keys
 from peerstate.control.coordinator import Coordinator
@@ -24,6 +24,7 @@ from peerstate.control.messages import MemberReport, NodeInstructions, NodeRepor
 from peerstate.control.planning import lost_without_checkpoint, node_of_worker, plan_nodes
 from peerstate.control.timeline import EventLog
 from peerstate.errors import JobFailedError
+from peerstate.replication.parity import ParityPlacement
 from peerstate.replication.placement import BuddyPlacement, DataParallelShares, mesh_replica_sets
 
 
@@ -112,14 +113,16 @@ class InstructionWriter:
             raise JobFailedError(message)
         return layouts.pop()
 
-    def _placement(self, layout: StateLayout, world_size: int) -> Tuple[BuddyPlacement, DataParallelShares]:
+    def _placement(self, layout: StateLayout,
+                   world_size: int) -> Tuple[Union[BuddyPlacement, ParityPlacement], DataParallelShares]:
         if layout not in self._layouts:
             nproc = self._coordinator.shape()["nproc_per_node"]
             nodes = [r // nproc for r in range(world_size)]  # the placement's nodes are the initial ones
             sets = mesh_replica_sets(world_size, layout.replica_mesh, layout.replica_dim) if layout.replica_mesh \
                 else None
-            self._layouts[layout] = (BuddyPlacement(nodes, k=layout.k),
-                                     DataParallelShares(nodes, layout.share_count, sets))
+            placement = ParityPlacement(nodes, layout.parity_group) if layout.parity_group else \
+                BuddyPlacement(nodes, k=layout.k)
+            self._layouts[layout] = (placement, DataParallelShares(nodes, layout.share_count, sets))
         return self._layouts[layout]
 
     def _note_loss(self, plan: RecoveryPlan, reports: Dict[int, MemberReport], orders: NodeInstructions) -> None:

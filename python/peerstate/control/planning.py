@@ -7,11 +7,14 @@ a process; tests call them with hand-made reports.
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from peerstate.control.messages import (MemberInstructions, MemberReport, NodeInstructions, RestorePlan, RestoreSource,
                                         SharePull)
+from peerstate.replication.parity import ParityPlacement
 from peerstate.replication.placement import BuddyPlacement, DataParallelShares
+
+Placement = Union[BuddyPlacement, ParityPlacement]  # buddies, or parity groups (Job(parity_group=g))
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -26,7 +29,7 @@ def node_of_agent(agent: str) -> Optional[int]:
     return int(suffix) if agent.startswith("agent") and suffix.isdigit() else None
 
 
-def recovery_point(reports: Mapping[int, MemberReport], placement: BuddyPlacement,
+def recovery_point(reports: Mapping[int, MemberReport], placement: Placement,
                    shares: Optional[DataParallelShares] = None) -> Tuple[Optional[int], Dict[int, str]]:
     """The newest version every rank can resume from, and why a rank cannot.
 
@@ -40,9 +43,15 @@ def recovery_point(reports: Mapping[int, MemberReport], placement: BuddyPlacemen
     """
     candidates: Optional[Set[int]] = None
     lost: Dict[int, str] = {}
+    parity = getattr(placement, "parity", False)
     for rank in sorted(reports):
-        if reports[rank].needs_state:
-            available: Set[int] = set()
+        if reports[rank].needs_state and parity:
+            available, why = _parity_versions(rank, reports, placement)
+            if why:
+                lost[rank] = why
+                continue
+        elif reports[rank].needs_state:
+            available = set()
             for source in placement.sources(rank):
                 held = reports[source]
                 if source in placement.replica_group(rank):
@@ -73,10 +82,36 @@ def recovery_point(reports: Mapping[int, MemberReport], placement: BuddyPlacemen
     return max(candidates), {}
 
 
+def _parity_versions(rank: int, reports: Mapping[int, MemberReport],
+                     placement: ParityPlacement) -> Tuple[Set[int], str]:
+    """The versions ``rank``'s state can be rebuilt at from its parity group: those whose
+    block every other member holds complete, and which every other member still holds of
+    its own state (each holder rebuilds its piece from the other survivors' snapshots).
+    With another member lost too, none, and why (naming the group)."""
+    others = placement.holders(rank)
+    dead = [m for m in others if reports[m].needs_state]
+    if dead:
+        lost = sorted([rank, *dead])
+        return set(), (f"parity group {placement.group_of(rank)} lost ranks {', '.join(map(str, lost))}: a group "
+                       "rebuilds one lost member, so their state has no surviving copy")
+    available: Optional[Set[int]] = None
+    for member in others:
+        held = set(reports[member].parity) & set(reports[member].local)
+        available = held if available is None else available & held
+    if not available:
+        return set(), (f"rank {rank} has no version its parity group {placement.group_of(rank)} covers whole yet "
+                       "(every member's block and own snapshot of one version)")
+    return available, ""
+
+
 def sources_of(rank: int, version: int, reports: Mapping[int, MemberReport],
-               placement: BuddyPlacement) -> List[int]:
+               placement: Placement) -> List[int]:
     """The members that hold ``rank``'s ``version`` (where a replacement pulls from):
-    ``rank`` itself first when its hung predecessor holds it (read from memory)."""
+    ``rank`` itself first when its hung predecessor holds it (read from memory). In a
+    parity group, its whole group in group order (the replacement pulls one piece from
+    each other member, which rebuilt it)."""
+    if getattr(placement, "parity", False):
+        return placement.group_of(rank)
     group = placement.replica_group(rank)
     return [rank] * (version in reports[rank].stopped) + [
         s for s in placement.sources(rank)
@@ -114,7 +149,8 @@ def lost_without_checkpoint(message: str) -> str:
 def describe_loss(lost: Mapping[int, str], failed: Sequence[int]) -> str:
     """One sentence naming the lost ranks and why each lost state has no copy."""
     ranks = sorted(r for r in lost if r >= 0) or list(failed)
-    return f"rank{'s' if len(ranks) > 1 else ''} {' and '.join(map(str, ranks))} lost; " + "; ".join(lost.values())
+    reasons = dict.fromkeys(lost.values())  # once each: the members of one parity group share theirs
+    return f"rank{'s' if len(ranks) > 1 else ''} {' and '.join(map(str, ranks))} lost; " + "; ".join(reasons)
 
 
 SHARE_SOURCES = 4  # members a share is pulled from at most, whatever the number of holders
@@ -149,7 +185,7 @@ class ShareHolders:
         return picked
 
 
-def plan_nodes(epoch: int, reports: Mapping[int, MemberReport], placement: BuddyPlacement,
+def plan_nodes(epoch: int, reports: Mapping[int, MemberReport], placement: Placement,
                shares: Optional[DataParallelShares], failed: Sequence[int] = (),
                checkpoint: Optional[Tuple[int, str]] = None) -> Dict[int, NodeInstructions]:
     """Every node's instructions for ``epoch``: the plan writer's part, O(N) once.
@@ -162,6 +198,7 @@ def plan_nodes(epoch: int, reports: Mapping[int, MemberReport], placement: Buddy
     disk ``checkpoint`` (step, path), or, without one, that the state is lost.
     ``expand`` turns a node's instructions into each member's."""
     node_of = {r: node_of_worker(report.worker) for r, report in reports.items()}
+    parity = getattr(placement, "parity", False)
     by_node: Dict[int, List[int]] = {}
     for rank in sorted(reports):
         by_node.setdefault(node_of[rank], []).append(rank)
@@ -184,13 +221,18 @@ def plan_nodes(epoch: int, reports: Mapping[int, MemberReport], placement: Buddy
                  for share in sorted({s for r in ranks for s in shares.set_shares(r)})} if holders_at else {}
         own = {r: sources_of(r, version, reports, placement) for r in ranks
                if outcome == "restore" and reports[r].needs_state}
+        rebuild: Dict[int, List[int]] = {}  # in parity groups: a survivor rebuilds its piece of each lost member
+        for r in ranks if outcome == "restore" and parity else ():
+            lost_members = [m for m in placement.holders(r) if reports[m].needs_state]
+            if lost_members and not reports[r].needs_state:
+                rebuild[r] = lost_members
         peers = {p for r in ranks for p in placement.holders(r)}
         peers.update(p for sources in own.values() for p in sources)
         peers.update(p for sources in pulls.values() for p in sources)
         orders[node] = NodeInstructions(
             epoch, node, {p: reports[p].address for p in sorted(peers)}, outcome, version, message, path, pulls, own,
             {r: shares.share_of(r) for r in ranks} if holders_at else {}, list(ranks),
-            shares.count if shares is not None else 1)
+            shares.count if shares is not None else 1, parity, rebuild)
     return orders
 
 
@@ -219,13 +261,14 @@ def expand(orders: NodeInstructions, reports: Mapping[int, MemberReport],
                      for share, sources in orders.share_sources.items()
                      if share // count == own // count and (share != own or not has_own)}
             restore = (RestorePlan(RestoreSource.PEERS, version=orders.version, own_sources=orders.own_sources[rank],
-                                   shares=pulls) if report.needs_state else
-                       RestorePlan(RestoreSource.LOCAL, version=orders.version, shares=pulls))
+                                   shares=pulls, parity=orders.parity) if report.needs_state else
+                       RestorePlan(RestoreSource.LOCAL, version=orders.version, shares=pulls,
+                                   rebuild=orders.rebuild.get(rank, [])))
         members[rank] = MemberInstructions(rank, orders.addresses, restore)
     return members
 
 
-def plan_restores(reports: Mapping[int, MemberReport], placement: BuddyPlacement,
+def plan_restores(reports: Mapping[int, MemberReport], placement: Placement,
                   shares: Optional[DataParallelShares], failed: Sequence[int],
                   checkpoint: Optional[Tuple[int, str]] = None) -> Dict[int, RestorePlan]:
     """Every member's restore plan after a failure: ``plan_nodes`` then ``expand``,
@@ -237,7 +280,7 @@ def plan_restores(reports: Mapping[int, MemberReport], placement: BuddyPlacement
     return plans
 
 
-def plan_restore(rank: int, reports: Mapping[int, MemberReport], placement: BuddyPlacement,
+def plan_restore(rank: int, reports: Mapping[int, MemberReport], placement: Placement,
                  shares: Optional[DataParallelShares], failed: Sequence[int],
                  checkpoint: Optional[Tuple[int, str]] = None) -> RestorePlan:
     """One member's part of ``plan_restores``."""

@@ -18,10 +18,11 @@ A replacement for rank r registers the same buffers, then ``repl.recover(r)``.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from peerstate import _C
-from peerstate.errors import InvalidArgumentError
+from peerstate.errors import InvalidArgumentError, NotFoundError
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.replication.stopped_holder import OWN_STATE, REPLICAS, SHARES, StoppedHolder
 from peerstate.state.snapshot import SnapshotStore
@@ -134,17 +135,21 @@ class Replication:
         """Fail every transfer in flight now (thread-safe; a recovery's first act).
         The transport stays unusable until reset()."""
         self.transport.abort()
+        if self.parity is not None:  # a round's wait for its own block, which no transport abort ends
+            self.parity.interrupt_waits()
 
     def reset(self) -> None:
         """After abort_transfers(): end the round in flight and start over with a fresh
         transport (same peers; connect() replaces the addresses that changed). The
         server and the replicas it holds are kept."""
-        self.transport.abort()
+        self.abort_transfers()
         self._wait_in_flight()
         self.transport = _C.TcpTransport(**self._transport_options)
         self.replicator = _C.Replicator(self.store.native, self.transport, self.rank)
         self._share_replicators = {share: _C.Replicator(store.native, self.transport, self.rank)
                                    for share, store in self._shares.items()}
+        if self.parity is not None:
+            self.parity.resume_waits()
         self.connect(self._addresses)
 
     def serve_share(self, share: int, store: SnapshotStore) -> None:
@@ -238,9 +243,13 @@ class Replication:
             self.replicas.reserve(source, nbytes)
 
     def replicate(self, version: int) -> None:
-        """Send committed ``version`` to this rank's holders in the background.
+        """Send committed ``version`` to this rank's holders in the background (its parity
+        group's members, once ``hold_parity`` made it a member of one: ``push_pieces``).
         Waits first for the previous round (at most one in flight)."""
-        self.replicator.replicate(version, self.placement.holders(self.rank))
+        if self.parity is not None:
+            self.push_pieces(version)
+        else:
+            self.replicator.replicate(version, self.placement.holders(self.rank))
 
     def wait(self, version: int, *, check: bool = True) -> Dict[int, Optional[BaseException]]:
         """Block until ``version``'s round ends; return holder -> None (committed there) or
@@ -349,13 +358,32 @@ class Replication:
         self._parity_group()
         self.replicator.rebuild_piece(self.parity, lost, version)
 
-    def pull_pieces(self, rank: int, version: int) -> int:
-        """At ``rank``'s replacement: pull its ``version`` from the pieces its group's
-        holders rebuilt into this rank's store, committed (not restored). Returns the version."""
-        members, _ = self._parity_group()
+    def pull_pieces(self, rank: int, version: int, members: Optional[Sequence[int]] = None,
+                    wait: float = 0.0) -> int:
+        """At ``rank``'s replacement: pull its ``version`` from the pieces the other members
+        of its group (``members``, in group order; default: the group this rank holds parity
+        for) rebuilt, into this rank's store, committed (not restored). Returns the version.
+
+        ``wait``: seconds to keep asking while no holder has rebuilt it yet. The holders
+        rebuild as their part of the same recovery, at the same time as this pull starts;
+        the first asks may come before their rebuild is done (a rebuild is one piece's
+        transfer: the asks are a few, spaced 10 ms apart and more)."""
+        members = list(members) if members is not None else self._parity_group()[0]
         if rank not in members:
-            raise InvalidArgumentError(f"rank {rank} is not in this rank's parity group {members}")
-        return self.replicator.pull_pieces(members, members.index(rank), version)
+            raise InvalidArgumentError(f"rank {rank} is not in the parity group {members}")
+        deadline, pause = time.monotonic() + wait, 0.01
+        while True:
+            try:
+                return self.replicator.pull_pieces(members, members.index(rank), version)
+            except NotFoundError:
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(2 * pause, 0.2)
+
+    def parity_versions(self) -> List[int]:
+        """The versions whose parity block is complete here (none outside a group)."""
+        return list(self.parity.committed()) if self.parity is not None else []
 
     def forget_rebuilt(self) -> None:
         """Free the pieces this holder rebuilt (once their replacements pulled them)."""

@@ -33,11 +33,11 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from peerstate._C import ParityCoder
+from peerstate._C import ParityCoder, parity_pieces
 from peerstate.errors import InvalidArgumentError
 from peerstate.replication.placement import node_ring, warn_unseparated
+from peerstate.state.snapshot import DEFAULT_CHUNK_BYTES, SnapshotStore
 
-PIECE_ALIGNMENT = 64  # bytes: a piece starts on a cache line of its shard
 
 
 class ParityGroups:
@@ -138,26 +138,75 @@ class ParityGroups:
                 "and the job falls back to its disk checkpoint")
 
 
-class ParityLayout:
-    """Where a group's bytes go: ``sizes[i]`` bytes of one version of member i
-    (group order), each cut into g - 1 pieces of ``piece_bytes``."""
+class ParityPlacement:
+    """Parity groups in the place of buddies (``Job(parity_group=g)``), with the part of
+    ``BuddyPlacement``'s interface the worker and the planner use: a rank pushes its pieces
+    to the other members of its group (``holders``), is rebuilt from them (``sources``),
+    and holds no replica of anyone (``served_by`` is empty: it holds its group's parity
+    block instead, ``Replication.hold_parity``)."""
 
-    def __init__(self, sizes: Sequence[int]) -> None:
-        if len(sizes) < 2 or min(sizes) < 0:
-            raise InvalidArgumentError(f"a parity layout needs 2 or more members of >= 0 bytes (got {list(sizes)})")
+    parity = True  # the planner's test: parity groups, not buddies
+
+    def __init__(self, node_of_rank: Sequence[Hashable], group_size: int) -> None:
+        self.groups = ParityGroups(node_of_rank, group_size)
+        small = [g for g in self.groups.groups if len(g) < 3]
+        if small:
+            raise InvalidArgumentError(
+                f"parity groups of {group_size} over {len(node_of_rank)} ranks leave groups of fewer than 3 "
+                f"({small}): a group of 2 is a mirror; use buddies (k=1) or a group size that divides the ranks")
+        self.group_size = group_size
+
+    def group_of(self, rank: int) -> List[int]:
+        return self.groups.group_of(rank)
+
+    def holders(self, rank: int) -> List[int]:
+        return self.groups.holders(rank)
+
+    def sources(self, rank: int) -> List[int]:
+        return self.groups.holders(rank)
+
+    def served_by(self, holder: int) -> List[int]:
+        return []
+
+    def replica_group(self, rank: int) -> List[int]:
+        return [rank]
+
+
+def largest_piece(store: SnapshotStore, group_size: int) -> int:
+    """The bytes of the largest of the g - 1 pieces the next snapshot of ``store`` is cut
+    into (``_C.parity_pieces``): every member of a group holds blocks of the largest of
+    its members' largest pieces."""
+    return max(nbytes for _first, _end, _offset, nbytes in parity_pieces(store.native, None, group_size))
+
+
+class ParityLayout:
+    """Where a group's bytes go, as the job cuts them (``parity_piece`` in
+    csrc/store/parity.h, for a shard of one buffer): ``sizes[i]`` bytes of one version
+    of member i (group order), in chunks of ``chunk_bytes`` (the unit of transfer and of
+    checksums), cut into g - 1 pieces of whole chunks, piece t holding the chunks c with
+    floor(c (g - 1) / C) == t. A holder's block has the bytes of the largest piece
+    (``piece_bytes``): 1/(g - 1) of the largest shard, rounded up to a chunk."""
+
+    def __init__(self, sizes: Sequence[int], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        if len(sizes) < 2 or min(sizes) < 0 or chunk_bytes < 64:
+            raise InvalidArgumentError(f"a parity layout needs 2 or more members of >= 0 bytes and chunks of 64 "
+                                       f"bytes or more (got {list(sizes)}, {chunk_bytes})")
         self.sizes = list(sizes)
         self.members = len(sizes)
-        pieces = self.members - 1
-        self.piece_bytes = math.ceil(max(sizes) / pieces / PIECE_ALIGNMENT) * PIECE_ALIGNMENT
+        self.chunk_bytes = chunk_bytes
+        self.piece_bytes = max(self.piece(m, p)[1] for m in range(self.members) for p in range(self.members - 1))
 
     def holder(self, member: int, piece: int) -> int:
         """The member whose parity piece ``piece`` of ``member`` is folded into."""
         return (member + 1 + piece) % self.members
 
     def piece(self, member: int, piece: int) -> Tuple[int, int]:
-        """(offset, nbytes) of ``member``'s piece in its shard (nbytes 0 past its end)."""
-        start = min(self.sizes[member], piece * self.piece_bytes)
-        return start, min(self.sizes[member], start + self.piece_bytes) - start
+        """(offset, nbytes) of ``member``'s piece in its shard (nbytes 0 for an empty one)."""
+        size, pieces = self.sizes[member], self.members - 1
+        count = -(-size // self.chunk_bytes)
+        first, end = (-(-p * count // pieces) for p in (piece, piece + 1))
+        start = min(size, first * self.chunk_bytes)
+        return start, min(size, end * self.chunk_bytes) - start
 
     def folded_into(self, holder: int) -> List[Tuple[int, int]]:
         """(member, piece) of every piece ``holder``'s parity is the XOR of."""

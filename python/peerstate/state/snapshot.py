@@ -21,6 +21,8 @@ from peerstate import _C
 from peerstate.state.buffers import HOST, Buffer, describe
 from peerstate.errors import InvalidArgumentError, NotFoundError, RegistrationMismatchError
 
+DEFAULT_CHUNK_BYTES = 4 << 20  # the unit of checksums and transfer, and of a parity piece
+
 OBJECTS_BUFFER = "__peerstate_objects__"
 _LENGTH_BYTES = 8
 
@@ -64,7 +66,7 @@ class SnapshotStore:
         self,
         *,
         threads: Optional[int] = None,
-        chunk_bytes: int = 4 << 20,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_versions: int = 2,
         budget_bytes: Optional[int] = None,
         checksums: bool = True,

@@ -28,6 +28,7 @@ from peerstate.control.timeline import EventLog
 from peerstate.errors import InvalidArgumentError
 from peerstate.state.training_state import optimizer_parts
 from peerstate.replication.endpoint import Replication
+from peerstate.replication.parity import ParityPlacement
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.replication.stopped_holder import permit_reads_by_the_node
 from peerstate.worker.abort import AbortHandler
@@ -233,7 +234,8 @@ def assemble(options: JobOptions) -> WorkerParts:
     # A replacement would run into the same: the job stops, not just this rank.
     claim_default_group(lambda message: InvalidArgumentError(coordinator.fail_job(message)))
     nodes = [r // env.nproc_per_node for r in range(env.world_size)]
-    placement = BuddyPlacement(nodes, k=options.k)
+    placement = ParityPlacement(nodes, options.parity_group) if options.parity_group else \
+        BuddyPlacement(nodes, k=options.k)
     progress = ProgressCounter(env.progress) if env.progress else None
     if progress:
         progress.start_ticking()
@@ -246,7 +248,8 @@ def assemble(options: JobOptions) -> WorkerParts:
     claim_pg_timeouts(groups, lambda message: report_finding(channel, membership.rank, env.worker, membership.next_step,
                                                              message, OVERRIDDEN))
     budget = HostMemoryBudget(*node_memory(), env.nproc_per_node, coordinator.fail_job)
-    tracked = TrackedState(nodes, options.k, options.shares(), options.versions, options.snapshot_threads, budget)
+    tracked = TrackedState(nodes, options.k, options.shares(), options.versions, options.snapshot_threads, budget,
+                           options.parity_group)
     wrappers = DistributedWrappers(kv)
     checkpoints = DiskCheckpoints(tracked, wrappers, options.checkpoint_dir or env.checkpoint_dir,
                                   options.checkpoint_every or env.checkpoint_every, coordinator.fail_job)

@@ -4,13 +4,14 @@ when it is built instead of wired into it afterwards."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, TypeVar
+from typing import Optional, TypeVar, Union
 
 from peerstate.control.coordinator import Coordinator
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.timeline import EventLog
 from peerstate.errors import InternalError
 from peerstate.replication.endpoint import Replication
+from peerstate.replication.parity import ParityPlacement
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.worker.membership import EpochWatcher, Membership
 from peerstate.worker.report import RecoveryReport
@@ -34,7 +35,7 @@ class WorkerContext:
     coordinator: Coordinator
     events: EventLog
     report: RecoveryReport
-    placement: BuddyPlacement
+    placement: Union[BuddyPlacement, ParityPlacement]
     world_size: int
     join_timeout: float     # the longest wait for the other members (Job(join_timeout=...))
     failure_grace: float    # how long a step's failure waits for its cause to be declared

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Tuple
+from typing import Callable, Dict, Mapping, Sequence, Tuple
 
 from peerstate.errors import InvalidArgumentError
 
@@ -114,6 +114,13 @@ class HostMemoryBudget:
             # A replacement reserves its buddies' replicas before its own versions are checked.
             own = f"{self._versions} versions of its own state take {size(self._own)} and " if self._versions else ""
             self._refuse(rank, f"{own}two regions of each replica it holds for ranks {sorted(sizes)} take {size(held)}")
+
+    def parity(self, rank: int, group: Sequence[int], block_bytes: int) -> None:
+        """Check the two parity blocks it holds for its ``group`` beside its own versions."""
+        held = 2 * block_bytes
+        if self._own + held > self.share:
+            own = f"{self._versions} versions of its own state take {size(self._own)} and " if self._versions else ""
+            self._refuse(rank, f"{own}two parity blocks for its group {list(group)} take {size(held)}")
 
     def _refuse(self, rank: int, what: str) -> None:
         fewer = (f" keep fewer versions (Job(versions={self._versions}) now; 3 at least, at the cost of a copy and "

@@ -47,10 +47,12 @@ class Job:
                  checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, join_timeout: float = 120.0,
                  failure_grace: float = 30.0, replica_budget_bytes: Optional[int] = None,
                  snapshot_threads: Optional[int] = None, abort_timeout: float = 60.0,
-                 data_parallel_shares: Optional[int] = None) -> None:
-        options = JobOptions(snapshot_every, versions, k, backend, checkpoint_dir, checkpoint_every, join_timeout,
-                             failure_grace, replica_budget_bytes, snapshot_threads, abort_timeout,
-                             data_parallel_shares)
+                 data_parallel_shares: Optional[int] = None, parity_group: int = 0) -> None:
+        options = JobOptions(snapshot_every=snapshot_every, versions=versions, k=k, parity_group=parity_group,
+                             backend=backend, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                             join_timeout=join_timeout, failure_grace=failure_grace,
+                             replica_budget_bytes=replica_budget_bytes, snapshot_threads=snapshot_threads,
+                             abort_timeout=abort_timeout, data_parallel_shares=data_parallel_shares)
         self._parts = parts = assemble(options)
         self.world_size, self.backend = parts.env.world_size, parts.backend
         self._guard: Optional[StepGuard] = None  # the current step's

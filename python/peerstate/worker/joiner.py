@@ -254,7 +254,7 @@ class EpochJoiner:
         self.context.channel.set(keys.member_report(epoch, rank), MemberReport(
             rank, self.context.membership.worker, local, self.replication.held_versions(), self.replication.address,
             needs_state, os.getpid(), regions, self.checkpoints.latest(), self.tracked.layout, stopped,
-            adopted_share).encode())
+            adopted_share, self.replication.parity_versions()).encode())
         key = keys.member_instructions(epoch, node_of_worker(self.context.membership.worker))
         self.check_current(epoch)
         try:  # check_current raises once the wait is moot

@@ -31,6 +31,12 @@ class JobOptions:
             v+1 waits for the push to land (only for what of it outlasts a forward
             and backward): one version fewer in every store (``StepBoundary``).
         k: copies of each rank's state on other ranks.
+        parity_group: instead of copies, erasure-coded parity groups of this many
+            ranks on different nodes (3 or more; 0, the default: buddies, ``k``). Each
+            rank holds two parity blocks of 1/(g - 1) of its state for its group
+            instead of two regions of a whole copy per buddy; one loss per group is
+            rebuilt from the parity and the other members' own snapshots, two
+            fall back to the disk checkpoint (``replication.parity``).
         backend: "gloo" or "nccl" (default: nccl when CUDA is available).
         checkpoint_dir: where a disk checkpoint (torch.distributed.checkpoint) is
             written every ``checkpoint_every`` steps, the fallback when a failure
@@ -76,6 +82,7 @@ class JobOptions:
     snapshot_every: int = 1
     versions: int = 4
     k: int = 1
+    parity_group: int = 0
     backend: Optional[str] = None
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
@@ -96,6 +103,10 @@ class JobOptions:
                                        f"{self.versions}): fewer versions can leave no step that every rank still "
                                        "holds (3 copies each version at its step's end and waits for its push at "
                                        "the next optimizer step; 4, the default, waits for neither)")
+        if self.parity_group and (self.parity_group < 3 or self.k != 1):
+            raise InvalidArgumentError(f"parity_group={self.parity_group} with k={self.k}: a parity group has 3 "
+                                       "members or more (2 is a mirror: use k=1), and it replaces the buddies, so k "
+                                       "stays 1")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise InvalidArgumentError("checkpoint_every needs a checkpoint_dir")
 

@@ -67,8 +67,13 @@ class Restorer:
             self._checkpoints.load(plan.checkpoint, plan.version, self._membership.rank)
             self._report.mark("restore")
         elif plan.source is RestoreSource.LOCAL:
+            # The replacements of its parity group wait for the pieces it rebuilds: those first.
+            rebuilds = [Background(self.replication.rebuild_piece, lost, plan.version, name="peerstate-rebuild")
+                        for lost in plan.rebuild]
             self._pull_shares(plan.version, plan.shares, replacement=False)
             self._tracked.restore(plan.version, pulled_shares=set(plan.shares))
+            for rebuild in rebuilds:
+                rebuild.join()
             self._report.mark("restore")
         else:
             raise InternalError(f"peerstate bug: a member that kept its state was planned a {plan.source.value} "
@@ -81,7 +86,10 @@ class Restorer:
             self._checkpoints.load(plan.checkpoint, plan.version, rank)
             self._report.mark("transfer")
         else:
-            self.replication.pull(rank, plan.version, sources=plan.own_sources)
+            if plan.parity:  # from the pieces the other members of its group rebuild meanwhile
+                self.replication.pull_pieces(rank, plan.version, plan.own_sources, wait=self._context.join_timeout)
+            else:
+                self.replication.pull(rank, plan.version, sources=plan.own_sources)
             self._pull_shares(plan.version, plan.shares, replacement=True)
             self._report.mark("transfer")
             self._tracked.restore(plan.version, pulled_shares=plan.shares, pulled_own=True)

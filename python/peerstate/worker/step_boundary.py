@@ -8,7 +8,7 @@ import ctypes
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
 
 from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
@@ -16,6 +16,7 @@ from peerstate.control.memory_figures import MEMORY_EVENT
 from peerstate.control.progress import ProgressCounter
 from peerstate.errors import AbortedError
 from peerstate.replication.endpoint import Replication
+from peerstate.replication.parity import ParityPlacement, largest_piece
 from peerstate.replication.placement import BuddyPlacement
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.context import WorkerContext
@@ -38,20 +39,25 @@ def release_freed_memory() -> None:
         _malloc_trim(0)
 
 
-def publish_size(kv: KeyValueStore, rank: int, bytes_per_version: int) -> None:
-    """Publish the bytes of one version of this rank's own state, for its holders
-    (one request, at a rank's first boundary)."""
-    kv.set(keys.replica_bytes(rank), str(bytes_per_version).encode())
+def publish_size(kv: KeyValueStore, rank: int, nbytes: int) -> None:
+    """Publish what this rank's holders reserve for it (one request, at a rank's first
+    boundary): the bytes of one version of its own state, or, in a parity group, of the
+    largest piece it cuts a version into (``parity.largest_piece``)."""
+    kv.set(keys.replica_bytes(rank), str(nbytes).encode())
 
 
-def reserve_replicas(kv: KeyValueStore, replication: Replication, placement: BuddyPlacement, rank: int,
-                     timeout: float, background: bool = False, moot: Callable[[], bool] = lambda: False,
+def reserve_replicas(kv: KeyValueStore, replication: Replication, placement: Union[BuddyPlacement, ParityPlacement],
+                     rank: int, timeout: float, background: bool = False, moot: Callable[[], bool] = lambda: False,
                      budget: Optional[HostMemoryBudget] = None) -> None:
     """Account (and allocate) the replicas of the ranks this rank serves, once they
     published their sizes (``publish_size``), after ``budget`` (if any) found they
     fit beside its own versions. Raises AbortedError as soon as ``moot()`` says a
     new epoch began (a served rank that died before publishing never will),
-    TimeoutError after ``timeout``."""
+    TimeoutError after ``timeout``. In a parity group (``ParityPlacement``), join it
+    instead: hold two blocks of the largest piece any member published."""
+    if isinstance(placement, ParityPlacement):
+        _hold_parity(kv, replication, placement, rank, timeout, background, moot, budget)
+        return
     served = placement.served_by(rank)
     names = [keys.replica_bytes(r) for r in served]
     if not kv.wait_until(names, time.monotonic() + timeout, moot):
@@ -63,6 +69,24 @@ def reserve_replicas(kv: KeyValueStore, replication: Replication, placement: Bud
         threading.Thread(target=replication.reserve, args=(sizes,), name="peerstate-reserve", daemon=True).start()
     else:
         replication.reserve(sizes)
+
+
+def _hold_parity(kv: KeyValueStore, replication: Replication, placement: ParityPlacement, rank: int,
+                 timeout: float, background: bool, moot: Callable[[], bool],
+                 budget: Optional[HostMemoryBudget]) -> None:
+    group = placement.group_of(rank)
+    names = [keys.replica_bytes(r) for r in group]
+    if not kv.wait_until(names, time.monotonic() + timeout, moot):
+        raise AbortedError(f"rank {rank}: a new epoch began while it waited for the piece sizes of its parity "
+                           f"group {group}")
+    block = max(int(kv.get(name)) for name in names)
+    if budget is not None:
+        budget.parity(rank, group, block)
+    if background:
+        threading.Thread(target=replication.hold_parity, args=(group, block), name="peerstate-reserve",
+                         daemon=True).start()
+    else:
+        replication.hold_parity(group, block)
 
 
 EAGER_VERSIONS = 3  # the versions of the eager pipeline (StepBoundary); the lazy one needs one more
@@ -141,23 +165,28 @@ class StepBoundary:
         this rank holds (at the first boundary, or before a resume loads into it)."""
         self.tracked.register(self.rank)
         self.replication_serves_shares()
-        publish_size(self._kv, self.rank, self.tracked.own.memory()["bytes_per_version"])
+        placement = self._placement
+        publish_size(self._kv, self.rank, largest_piece(self.tracked.own, placement.group_size)
+                     if isinstance(placement, ParityPlacement) else self.tracked.own.memory()["bytes_per_version"])
         self._reserve_replicas()
         self.report_memory()
 
     def memory(self) -> Dict[str, int]:
         """``Job.memory``: this rank's stores, and the replicas it holds once it has a rank."""
-        replicas = self.replication.replicas if self._context.ranked else None
+        replication = self.replication if self._context.ranked else None
+        held = [replication.replicas] + ([replication.parity] if replication.parity is not None else []) \
+            if replication else []
         return {**self.tracked.memory(self.rank),
-                "replicas_held": replicas.held_bytes() if replicas else 0,
-                "replicas_reserved": replicas.reserved_bytes() if replicas else 0}
+                "replicas_held": sum(store.held_bytes() for store in held),
+                "replicas_reserved": sum(store.reserved_bytes() for store in held)}
 
     def report_memory(self) -> None:
         """Write ``memory()`` to the event log, with the rank's share of its node's memory
         (what the run's summary says: ``control.memory_figures``)."""
         budget = self.tracked.budget
+        redundancy = "parity" if isinstance(self._placement, ParityPlacement) else "buddies"
         self._report.events.write(MEMORY_EVENT, rank=self.rank, node_share=budget.share if budget else None,
-                                  **self.memory())
+                                  redundancy=redundancy, **self.memory())
 
     def _reserve_replicas(self) -> None:
         epoch = self._membership.epoch

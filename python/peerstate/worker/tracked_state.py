@@ -29,17 +29,18 @@ class TrackedState:
     data-parallel state. Every store snapshots on the process's one copy-thread
     pool (``ThreadPool::shared`` in the native core).
 
-    ``node_of_rank``, ``k``: the job's layout; ``share_count``: the data-parallel
-    shares asked for (None: ``default_share_count``), cut once ``track`` says
-    which ranks hold equal copies."""
+    ``node_of_rank``, ``k``, ``parity_group``: the job's layout; ``share_count``: the
+    data-parallel shares asked for (None: ``default_share_count``), cut once ``track``
+    says which ranks hold equal copies."""
 
     def __init__(self, node_of_rank: Sequence[int], k: int, share_count: Optional[int], versions: int,
-                 threads: Optional[int], budget: Optional[HostMemoryBudget] = None) -> None:
+                 threads: Optional[int], budget: Optional[HostMemoryBudget] = None, parity_group: int = 0) -> None:
         self.node_of_rank = list(node_of_rank)
         self.k = k
+        self.parity_group = parity_group
         self.share_count = share_count
         self.shares = DataParallelShares(self.node_of_rank, 1)  # until track() says which ranks are replicas
-        self.layout = StateLayout(k)
+        self.layout = StateLayout(k, parity_group=parity_group)
         self.versions = versions
         self.threads = threads
         self.budget = budget  # checked before the versions are allocated (and the replicas: reserve_replicas)
@@ -62,7 +63,8 @@ class TrackedState:
         sets = mesh_replica_sets(len(self.node_of_rank), replica_mesh, replica_dim) if replica_mesh else None
         count = self.share_count if self.share_count is not None else default_share_count(self.node_of_rank, sets)
         self.shares = DataParallelShares(self.node_of_rank, count, sets)
-        self.layout = StateLayout(self.k, count, data_parallel, replica_mesh, replica_dim if replica_mesh else -1)
+        self.layout = StateLayout(self.k, count, data_parallel, replica_mesh, replica_dim if replica_mesh else -1,
+                                  self.parity_group)
         self.objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}
         for name, value in extras.items():
             if _loads_in_place(value):
