@@ -25,6 +25,8 @@ def test_fewer_versions_than_a_recovery_can_need_are_refused_by_the_job_itself()
     (dict(abort_timeout=0), r"abort_timeout must be positive"),
     (dict(abort_timeout=120.0, join_timeout=120.0), r"shorter than join_timeout.*got 120.0 and 120.0"),
     (dict(checkpoint_every=10), r"checkpoint_every needs a checkpoint_dir"),
+    (dict(parity_group=2), r"parity_group=2 with k=1: a parity group has 3 members or more"),
+    (dict(parity_group=4, k=2), r"parity_group=4 with k=2: .*it replaces the buddies"),
 ])
 def test_a_combination_that_cannot_work_is_refused_with_the_option_named(options, named):
     with pytest.raises(InvalidArgumentError, match=named):
