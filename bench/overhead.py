@@ -29,9 +29,16 @@ overhead with.
 at its step's end and its push waited for at the next optimizer step), one version
 fewer in memory; its own capture-off blocks are its baseline.
 
+``--sharded``: 4 simulated nodes of 1 worker, each tracking the whole state as its
+own (``track(data_parallel=False)``), as an FSDP shard is tracked: every step pushes
+it whole, to a buddy (k=1) or, with ``--parity-group 4``, as pieces to its parity
+group (``Job(parity_group=4)``). Each run's capture-off blocks are its baseline;
+run both for the comparison.
+
 Run: python bench/overhead.py [--quick] [--workers-per-node N] [--data-parallel-shares N] [--breakdown]
-[--model demo|100m] [--versions N]
+[--model demo|100m] [--versions N] [--sharded [--parity-group G]]
 (writes bench/results/overhead.json; overhead_shares{N}.json with --data-parallel-shares;
+overhead_sharded.json, overhead_sharded_parity{G}.json with --sharded;
 overhead_breakdown.json with --breakdown; overhead_100m.json with --model 100m; the name
 ends in _versions{N} with --versions other than 4)
 """
@@ -59,18 +66,23 @@ MODELS = {"demo": [], "100m": ["--width", "768", "--layers", "14", "--heads", "1
 
 
 def run(blocks: int, block_steps: int, workers_per_node: int = 2, shares: Optional[int] = None,
-        timeout: float = 900.0, breakdown: bool = False, model: str = "demo", versions: int = 4) -> dict:
+        timeout: float = 900.0, breakdown: bool = False, model: str = "demo", versions: int = 4,
+        sharded: bool = False, parity_group: int = 0) -> dict:
     script = [str(HERE / "overhead_job.py"), "--blocks", str(blocks), "--block-steps", str(block_steps),
               "--versions", str(versions), *MODELS[model]]
+    nodes = [(workers_per_node, 0)] * 2
+    if sharded:
+        script += ["--own-state", "--parity-group", str(parity_group)]
+        nodes = [(1, 0)] * 4
     if shares is not None:
         script += ["--data-parallel-shares", str(shares)]
     if breakdown:
         script.append("--breakdown")
     with tempfile.TemporaryDirectory(prefix="peerstate-overhead-") as tmp:
-        job = LocalJob(Path(tmp), [(workers_per_node, 0)] * 2, script)
+        job = LocalJob(Path(tmp), nodes, script)
         try:
             codes = job.wait(timeout)
-            if codes != [0, 0]:
+            if any(codes):
                 raise RuntimeError(f"the job failed ({codes}): {job.agent_logs[0].read_text()[-2000:]}")
             text = job.text()
         finally:
@@ -123,18 +135,27 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="time the step boundary's parts too")
     parser.add_argument("--versions", type=int, default=4,
                         help="Job(versions=N): 3 runs the eager pipeline (the copy and the push on the step's path)")
+    parser.add_argument("--sharded", action="store_true",
+                        help="4 nodes of 1 worker, the state tracked as each rank's own (pushed whole every step)")
+    parser.add_argument("--parity-group", type=int, default=0, help="with --sharded: Job(parity_group=G)")
     args = parser.parse_args()
     large = args.model == "100m"
     args.breakdown = args.breakdown or large
     per_node = args.workers_per_node or (1 if large else 2)
     blocks, block_steps = ((4, 4) if large else (6, 8)) if args.quick else ((16, 6) if large else (32, 12))
-    workers = 2 * per_node
+    if args.sharded:
+        per_node = 1
+    workers = 4 if args.sharded else 2 * per_node
     shares = args.data_parallel_shares or per_node
     print(f"step overhead of every-step capture: {'99.3M-parameter' if large else 'demo'} GPT, {workers} workers "
           f"on {os.cpu_count()} cores, {blocks} interleaved blocks of {block_steps} steps, data-parallel state in "
-          f"{shares} share(s), {args.versions} versions")
+          f"{shares} share(s), {args.versions} versions" + (
+              f"; sharded: each rank's whole state its own, on 4 nodes, "
+              f"{f'parity groups of {args.parity_group}' if args.parity_group else 'a buddy (k=1)'}"
+              if args.sharded else ""))
     result = run(blocks, block_steps, per_node, args.data_parallel_shares, breakdown=args.breakdown,
-                 timeout=3600.0 if large else 900.0, model=args.model, versions=args.versions)
+                 timeout=3600.0 if large else 900.0, model=args.model, versions=args.versions,
+                 sharded=args.sharded, parity_group=args.parity_group)
     wall, cpu = summarize(result["wall"]), summarize(result["cpu"])
     print(f"{'per step (median)':<34}{'capture off':>12}{'capture on':>12}{'overhead: mean of block pairs':>31}"
           f"{'std':>7}{'min':>9}{'max':>9}")
@@ -156,6 +177,8 @@ def main() -> None:
         path = RESULTS.with_name("overhead_breakdown.json")
     if large:
         path = RESULTS.with_name("overhead_100m.json")
+    if args.sharded:
+        path = RESULTS.with_name(f"overhead_sharded{f'_parity{args.parity_group}' if args.parity_group else ''}.json")
     if args.versions != 4:
         path = path.with_name(f"{path.stem}_versions{args.versions}.json")
     path.parent.mkdir(exist_ok=True)
@@ -168,6 +191,7 @@ def main() -> None:
     path.write_text(json.dumps({
         "benchmark": "overhead", "time": time.time(), "model": args.model, "workers": workers, "cores": os.cpu_count(),
         "data_parallel_shares": shares, "versions": args.versions, "breakdown": result.get("breakdown"),
+        "sharded": args.sharded, "parity_group": args.parity_group,
         "summary": wall, "cpu_summary": cpu, "blocks": result["wall"]["blocks"], "cpu_blocks": result["cpu"]["blocks"],
         "rows": rows}, indent=1))
     print(f"wrote {path}")

@@ -25,6 +25,9 @@ parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--data-parallel-shares", type=int, default=None)
 parser.add_argument("--versions", type=int, default=4)
 parser.add_argument("--breakdown", action="store_true", help="time the boundary's parts (see step_breakdown)")
+parser.add_argument("--own-state", action="store_true",
+                    help="track the state as each rank's own (data_parallel=False), as a shard is: pushed whole")
+parser.add_argument("--parity-group", type=int, default=0, help="Job(parity_group=G) instead of buddies")
 args = parser.parse_args()
 torch.set_num_threads(1)
 
@@ -34,11 +37,12 @@ if args.breakdown:
     from step_breakdown import Instrumented, copy_limit
 
     instrumented = Instrumented()
-job = peerstate.Job(data_parallel_shares=args.data_parallel_shares, versions=args.versions)
+job = peerstate.Job(data_parallel_shares=args.data_parallel_shares, versions=args.versions,
+                    parity_group=args.parity_group)
 torch.manual_seed(0)
 model = TinyGPT(len(batches.vocabulary), width=args.width, layers=args.layers, heads=args.heads)
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-job.track(model=model, optimizer=optimizer, data_parallel=True)
+job.track(model=model, optimizer=optimizer, data_parallel=not args.own_state)
 ddp = job.ddp(model)
 
 total = args.warmup + args.blocks * args.block_steps

@@ -15,12 +15,21 @@ of state per rank; bench/recovery_job.py), measured in the same run:
   and each loads its torch.save checkpoint from local disk (still in the page
   cache: the most favourable case for the baseline).
 
+With ``--one-per-node`` the peerstate job runs on 4 simulated nodes of 1 worker
+(the spare on node 0), and with ``--parity-group 4`` (which implies it and
+``--replicated``) each rank's state is covered by a parity group of the 4
+instead of a buddy: the replacement pulls it from the 3 pieces the survivors
+rebuilt (``Job(parity_group=4)``). Run ``--replicated --one-per-node`` beside it
+for buddies on the same nodes.
+
 With ``--etcd`` each run also recovers the same job with its control plane in a
 3-member etcd cluster on loopback (``--store etcd://``) instead of node 0's
 TCPStore: the ``etcd_s`` column, and the ratio of the two in the same run.
 
 Run: python bench/recovery.py [--quick] [--state-mib 256] [--repeat 3] [--data-parallel-shares N] [--etcd]
+[--replicated [--one-per-node]] [--parity-group G]
 Writes bench/results/recovery.json (recovery_replicated.json with --replicated,
+recovery_replicated_one_per_node.json, recovery_parity{G}.json,
 recovery_shares{N}.json with --data-parallel-shares N, recovery_etcd.json with
 --etcd): rows with phase, ours_s, baseline_s, speedup (and etcd_s).
 """
@@ -51,16 +60,18 @@ KEEP_LOGS_OVER_S = 5.0  # a recovery this slow keeps its folder
 
 
 def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float,
-                       replicated: bool, shares: Optional[int], etcd: Optional[str] = None) -> dict:
+                       replicated: bool, shares: Optional[int], etcd: Optional[str] = None,
+                       one_per_node: bool = False, parity_group: int = 0) -> dict:
     store_args = ["--job-id", f"{work.parent.name}-{work.name}"] if etcd else []  # one per run
-    job = LocalJob(work, [(2, 1), (2, 0)],
+    job = LocalJob(work, [(1, 1), (1, 0), (1, 0), (1, 0)] if one_per_node else [(2, 1), (2, 0)],
                    [str(JOB), "--mode", "peerstate", "--state-mib", str(state_mib), "--steps", str(steps)]
                    + (["--replicated"] if replicated else [])
+                   + (["--parity-group", str(parity_group)] if parity_group else [])
                    + (["--data-parallel-shares", str(shares)] if shares else []),
                    agent_args=["--inject", f"kill:rank=2:step={kill_step}", *store_args], store=etcd)
     try:
         codes = job.wait(timeout)
-        if codes != [0, 0]:
+        if any(codes):
             raise RuntimeError(f"the peerstate job failed ({codes}):\n{job.agent_logs[0].read_text()[-2000:]}")
         [recovery] = job.events("recovery")
         pulled = job.events("pulled")
@@ -108,7 +119,8 @@ def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, tim
 
 
 def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: float = 300.0,
-        replicated: bool = False, shares: Optional[int] = None, etcd: bool = False) -> list:
+        replicated: bool = False, shares: Optional[int] = None, etcd: bool = False, one_per_node: bool = False,
+        parity_group: int = 0) -> list:
     repeat = repeat or (1 if quick else 3)
     steps, kill_step = 60, 25
     ours, baseline, over_etcd = [], [], []
@@ -118,7 +130,8 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
             work = Path(tempfile.mkdtemp(prefix="peerstate-recovery-"))
             (work / "ours").mkdir()
             (work / "base").mkdir()
-            ours.append(peerstate_recovery(work / "ours", state_mib, steps, kill_step, timeout, replicated, shares))
+            ours.append(peerstate_recovery(work / "ours", state_mib, steps, kill_step, timeout, replicated, shares,
+                                           one_per_node=one_per_node, parity_group=parity_group))
             if cluster:
                 (work / "etcd").mkdir()
                 over_etcd.append(peerstate_recovery(work / "etcd", state_mib, steps, kill_step, timeout, replicated,
@@ -158,7 +171,9 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
     for row in rows:
         row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat,
                    data_parallel_shares=shares or 2,  # the Job's default here: one per worker of a node
-                   state_from="buddies (replicated)" if replicated else "surviving ranks (data_parallel)")
+                   state_from=(f"parity groups of {parity_group}" if parity_group else "buddies (replicated)"
+                               if replicated else "surviving ranks (data_parallel)"),
+                   nodes="4 x 1" if one_per_node else "2 x 2")
     rows.append({"phase": "each run", "runs": [
         {"ours_s": o["total_s"], "baseline_s": b["total_s"], "speedup": b["total_s"] / o["total_s"],
          "chunks_from_memory": o["chunks_from_memory"], "chunks_pulled": o["chunks_pulled"],
@@ -192,16 +207,25 @@ def main() -> None:
     parser.add_argument("--data-parallel-shares", type=int, default=None,
                         help="Job(data_parallel_shares=N) (default: 2, one per worker of a node; 1: a full copy per "
                              "rank); writes recovery_shares{N}.json")
+    parser.add_argument("--one-per-node", action="store_true", help="4 simulated nodes of 1 worker (2 x 2 by default)")
+    parser.add_argument("--parity-group", type=int, default=0,
+                        help="Job(parity_group=G): implies --replicated and --one-per-node; writes recovery_parity{G}.json")
     parser.add_argument("--etcd", action="store_true",
                         help="also recover with the control plane in a 3-member etcd cluster on loopback (needs the "
                              "etcd binary); writes recovery_etcd.json")
     args = parser.parse_args()
-    print(f"recovery of 4 workers + 1 spare, {args.state_mib} MiB of state per rank, kill -9 of rank 2, state "
-          f"from {'its buddy' if args.replicated else 'the surviving ranks (data_parallel)'}")
+    if args.parity_group:
+        args.replicated = args.one_per_node = True
+    source = (f"its parity group of {args.parity_group}" if args.parity_group else
+              "its buddy" if args.replicated else "the surviving ranks (data_parallel)")
+    print(f"recovery of 4 workers + 1 spare on {'4 nodes of 1' if args.one_per_node else '2 nodes of 2'}, "
+          f"{args.state_mib} MiB of state per rank, kill -9 of rank 2, state from {source}")
     rows = run(args.quick, args.state_mib, args.repeat, replicated=args.replicated, shares=args.data_parallel_shares,
-               etcd=args.etcd)
+               etcd=args.etcd, one_per_node=args.one_per_node, parity_group=args.parity_group)
     print_table(rows)
     path = (RESULTS.with_name("recovery_etcd.json") if args.etcd else
+            RESULTS.with_name(f"recovery_parity{args.parity_group}.json") if args.parity_group else
+            RESULTS.with_name("recovery_replicated_one_per_node.json") if args.replicated and args.one_per_node else
             RESULTS.with_name("recovery_replicated.json") if args.replicated else
             RESULTS.with_name(f"recovery_shares{args.data_parallel_shares}.json") if args.data_parallel_shares else
             RESULTS)

@@ -29,6 +29,7 @@ parser.add_argument("--resume", action="store_true")
 parser.add_argument("--data-parallel-shares", type=int, default=None, help="peerstate: Job(data_parallel_shares=N)")
 parser.add_argument("--replicated", action="store_true", help="peerstate: send all state to the buddies "
                     "(default: data_parallel=True, the model state comes from any surviving rank)")
+parser.add_argument("--parity-group", type=int, default=0, help="peerstate: Job(parity_group=G) (with --replicated)")
 args = parser.parse_args()
 torch.set_num_threads(1)
 
@@ -62,7 +63,7 @@ torch.manual_seed(0)
 if args.mode == "peerstate":
     import peerstate
 
-    job = peerstate.Job(data_parallel_shares=args.data_parallel_shares)
+    job = peerstate.Job(data_parallel_shares=args.data_parallel_shares, parity_group=args.parity_group)
     model = Model(args.state_mib << 20)
     optimizer = torch.optim.AdamW(model.mlp.parameters(), lr=1e-3)
     job.track(model=model, optimizer=optimizer, data_parallel=not args.replicated)  # a spare waits here

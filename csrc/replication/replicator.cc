@@ -245,15 +245,26 @@ Status Replicator::pull_pieces(const std::vector<int>& members, size_t lost, int
                                                     std::to_string(g) + " (groups have 3 or more)");
   const int rank = members[lost];
   const std::string what = "version " + std::to_string(version) + " of rank " + std::to_string(rank);
+  // Every holder must have rebuilt its piece before any chunk is asked for: a
+  // holder still rebuilding answers kNotFound here, which the caller may retry,
+  // rather than failing the transfer halfway.
   VersionMeta meta;
   std::string failures;
-  for (size_t t = 0; t + 1 < g && !meta.layout; t++) {
+  bool only_not_found = true;
+  for (size_t t = 0; t + 1 < g; t++) {
     const int holder = members[parity_holder(lost, t, g)];
-    Status st = transport_->describe(holder, rank, version, kParityStore, &meta);
-    if (!st.ok()) failures += "; rank " + std::to_string(holder) + ": " + st.message();
+    VersionMeta described;
+    Status st = transport_->describe(holder, rank, version, kParityStore, &described);
+    if (!st.ok()) {
+      failures += "; rank " + std::to_string(holder) + ": " + st.message();
+      only_not_found &= st.code() == StatusCode::kNotFound;
+    } else if (!meta.layout) {
+      meta = std::move(described);
+    }
   }
-  if (!meta.layout)
-    return Status(StatusCode::kNotFound, "no holder of the parity group has rebuilt " + what + failures);
+  if (!failures.empty())
+    return Status(only_not_found ? StatusCode::kNotFound : StatusCode::kConnectionError,
+                  "not every holder of the parity group has rebuilt its piece of " + what + failures);
   PEERSTATE_RETURN_IF_ERROR(store_->drop_newer(meta.version - 1));
   unsigned char* region = nullptr;
   PEERSTATE_RETURN_IF_ERROR(store_->begin_receive(meta.version, meta.layout, &region));

@@ -93,8 +93,9 @@ class Replicator {
   // At a replacement for member `lost` of the parity group `members`: pulls
   // `version` of its state as g - 1 pieces from the g - 1 holders that rebuilt
   // them (rebuild_piece), all at once, into the local store as a committed
-  // version, as pull() does. kNotFound when no holder has rebuilt it;
-  // kConnectionError naming each piece that did not arrive and its holder.
+  // version, as pull() does. kNotFound, pulling nothing, while some holder has
+  // not rebuilt its piece yet (each is asked first); kConnectionError naming
+  // each piece that did not arrive and its holder.
   Status pull_pieces(const std::vector<int>& members, size_t lost, int64_t version, int64_t* pulled);
   // Blocks until the round of `version` ends (kNotFound if there was none
   // such: only the latest round is remembered) and reports each holder's

@@ -102,13 +102,17 @@ std::string ParityStore::missing_locked(const ParityVersion& block) const {
 }
 
 void ParityStore::reset_locked(std::unique_lock<std::mutex>& lock, ParityVersion* block, int64_t version) {
-  block->generation++;  // folds not yet writing give up; those writing finish first
-  changed_.wait(lock, [&] { return block->writers == 0; });
+  // It is the new version's at once (other members' begin() see it), but no piece
+  // begins in it until the folds still writing into it have finished and it is zeroed.
+  block->generation++;  // folds not yet writing give up
   block->version = version;
   block->complete = false;
   block->failed = false;
   block->contributions.clear();
+  block->preparing = true;
+  changed_.wait(lock, [&] { return block->writers == 0; });
   if (version >= 0) std::memset(block->block.data(), 0, block->block.size());
+  block->preparing = false;
   changed_.notify_all();
 }
 
@@ -131,6 +135,12 @@ Status ParityStore::begin(const VersionMeta& meta) {
   if (v < 0) return Status(StatusCode::kInvalidArgument, what + ": negative");
   const Deadline deadline = deadline_after_ms(kCompleteWaitMs);
   for (;;) {
+    const bool preparing = std::any_of(blocks_.begin(), blocks_.end(), [](const auto& b) { return b && b->preparing; });
+    if (preparing) {  // another member's begin() is emptying a block: see what it becomes
+      if (changed_.wait_until(lock, deadline) == std::cv_status::timeout)
+        return Status(StatusCode::kBusy, what + " cannot begin: a block is still being emptied");
+      continue;
+    }
     if (newest_allowed_ >= 0 && v > newest_allowed_)
       return Status(StatusCode::kInvalidArgument, what + " is ahead of what this job has reached (at most " +
                                                       std::to_string(newest_allowed_) + " here)");

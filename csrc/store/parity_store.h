@@ -66,6 +66,7 @@ struct ParityVersion {
   std::map<int, ParityContribution> contributions;  // by source rank
   bool complete = false;
   bool failed = false;  // a contribution failed: the version can never complete
+  bool preparing = false;  // being emptied for its version (reset): no piece may begin in it yet
   uint64_t generation = 0;  // bumped whenever the block is reset: a fold of an older one is dropped
   size_t writers = 0;   // folds in progress (XOR into the block)
   size_t open_folds = 0;  // ChunkFolds holding the block (not readers)

@@ -77,14 +77,18 @@ def test_pieces_fold_into_parity_and_a_killed_member_is_rebuilt_bitwise():
         assert block_bytes * 3 < cluster.sizes[0] + 3 * SETUP["chunk_bytes"]
 
         cluster.peers[2].kill()
-        holders = [h for h in GROUP if h != 2]
-        for holder in holders:
-            cluster.peers[holder].send("rebuild_piece", lost=2, version=3)
-        for holder in holders:  # all three at once, each pulling from the two other survivors
-            assert cluster.peers[holder].reply(timeout=60)["held_bytes"] >= 3 * block_bytes
         replacement = cluster.start(2, name="replacement")
         replacement.call("connect", addresses=cluster.addresses)
         replacement.call("hold_parity", members=GROUP, block_bytes=block_bytes)
+        # Until every holder has rebuilt its piece, a pull takes nothing and says so (NotFound: ask again).
+        holders = [h for h in GROUP if h != 2]
+        assert cluster.peers[holders[0]].call("rebuild_piece", lost=2, version=3)["held_bytes"] >= 3 * block_bytes
+        early = ask(replacement, "pull_pieces", rank=2, version=3)
+        assert early["error"] == "NotFoundError" and "has rebuilt its piece" in early["message"], early
+        for holder in holders[1:]:
+            cluster.peers[holder].send("rebuild_piece", lost=2, version=3)
+        for holder in holders[1:]:  # at once, each pulling from the two other survivors
+            assert cluster.peers[holder].reply(timeout=60)["held_bytes"] >= 3 * block_bytes
         got = replacement.call("pull_pieces", rank=2, version=3)
         assert got == {"ok": True, "version": 3, "digest": history[3][2]}
 
