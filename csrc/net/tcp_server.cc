@@ -293,6 +293,20 @@ Status TcpServer::read_put_meta(Connection& c, const FrameHeader& h, size_t rese
   return ends_stream(st) ? st : send_error(c.channel, st, deadline);
 }
 
+Status TcpServer::commit_put(Connection& c, const FrameHeader& h, const std::function<Status(Deadline)>& commit) {
+  if (h.source_rank != c.peer_rank) return Status(StatusCode::kProtocolError, "commit of another rank's state");
+  const Deadline deadline = deadline_after_ms(options_.io_timeout_ms);
+  PEERSTATE_RETURN_IF_ERROR(c.channel.end_frame(deadline));
+  // Wait in slices, so that stop() is not held up by a commit that waits for
+  // chunks (or, in a parity block, other members' pieces) which will never come.
+  Status st;
+  do {
+    st = commit(std::min(deadline, deadline_after_ms(100)));
+  } while (st.code() == StatusCode::kTimeout && Clock::now() < deadline && !stopping_.load());
+  if (!st.ok()) return send_error(c.channel, st, deadline);
+  return c.channel.send_frame(make_header(FrameType::kAck, h.source_rank, h.version), nullptr, deadline);
+}
+
 Status TcpServer::handle(Connection& c, const FrameHeader& h) {
   const Deadline deadline = deadline_after_ms(options_.io_timeout_ms);
   Channel& channel = c.channel;
@@ -339,18 +353,8 @@ Status TcpServer::handle(Connection& c, const FrameHeader& h) {
       if (!st.ok()) server_log().write("chunk", "rank " + std::to_string(c.peer_rank) + ": " + st.message());
       return Status::Ok();  // a corrupt chunk fails the version at commit; the stream is intact
     }
-    case FrameType::kPutCommit: {
-      if (h.source_rank != c.peer_rank) return Status(StatusCode::kProtocolError, "commit of another rank's state");
-      PEERSTATE_RETURN_IF_ERROR(channel.end_frame(deadline));
-      // Wait in slices, so that stop() is not held up by a commit that waits
-      // for chunks which will never come.
-      Status st;
-      do {
-        st = replicas_->commit(h.source_rank, h.version, std::min(deadline, deadline_after_ms(100)));
-      } while (st.code() == StatusCode::kTimeout && Clock::now() < deadline && !stopping_.load());
-      if (!st.ok()) return send_error(channel, st, deadline);
-      return channel.send_frame(make_header(FrameType::kAck, h.source_rank, h.version), nullptr, deadline);
-    }
+    case FrameType::kPutCommit:
+      return commit_put(c, h, [&](Deadline until) { return replicas_->commit(h.source_rank, h.version, until); });
     case FrameType::kGetMeta:
     case FrameType::kGetChunk:
       if (h.length != 0) return Status(StatusCode::kProtocolError, "request with a payload");

@@ -38,6 +38,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -105,6 +106,8 @@ class TcpServer {
   // stream survives is sent to the peer and returns ok with meta->layout null.
   Status read_put_meta(Connection& c, const FrameHeader& h, size_t reserved_bytes, Deadline deadline,
                        VersionMeta* meta);
+  // Ends a push (kPutCommit): waits for `commit` in slices up to the io timeout, then acks or sends its error.
+  Status commit_put(Connection& c, const FrameHeader& h, const std::function<Status(Deadline)>& commit);
   // The put frames of parity pieces, and the rebuilt pieces this rank serves (tcp_server_parity.cc).
   Status handle_parity_put(Connection& c, const FrameHeader& h);
   Status serve_rebuilt(int source_rank, int64_t version, ServedVersion* out) const;

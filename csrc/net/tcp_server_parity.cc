@@ -44,16 +44,8 @@ Status TcpServer::handle_parity_put(Connection& c, const FrameHeader& h) {
       if (!st.ok()) server_log().write("parity", "rank " + std::to_string(c.peer_rank) + ": " + st.message());
       return Status::Ok();  // a corrupt chunk fails the version at commit; the stream is intact
     }
-    case FrameType::kPutCommit: {
-      if (h.source_rank != c.peer_rank) return Status(StatusCode::kProtocolError, "commit of another rank's state");
-      PEERSTATE_RETURN_IF_ERROR(channel.end_frame(deadline));
-      Status st;
-      do {  // in slices, so that stop() is not held up
-        st = parity->commit(h.source_rank, h.version, std::min(deadline, deadline_after_ms(100)));
-      } while (st.code() == StatusCode::kTimeout && Clock::now() < deadline && !stopping_.load());
-      if (!st.ok()) return send_error(channel, st, deadline);
-      return channel.send_frame(make_header(FrameType::kAck, h.source_rank, h.version), nullptr, deadline);
-    }
+    case FrameType::kPutCommit:  // once the whole block is complete (ParityStore::commit)
+      return commit_put(c, h, [&](Deadline until) { return parity->commit(h.source_rank, h.version, until); });
     default:
       return Status(StatusCode::kProtocolError, "unexpected frame type " + std::to_string(h.type));
   }
