@@ -15,18 +15,22 @@ Status TcpServer::handle_parity_put(Connection& c, const FrameHeader& h) {
     std::lock_guard<std::mutex> lock(mutex_);
     parity = parity_;
   }
-  // Nothing of the frame can be trusted without a store to check it against.
-  if (parity == nullptr)
+  // A chunk or a commit cannot be checked without a store (and follows a begin it refused).
+  if (parity == nullptr && static_cast<FrameType>(h.type) != FrameType::kPutBegin)
     return Status(StatusCode::kProtocolError, "rank " + std::to_string(c.peer_rank) +
                                                   " pushed a parity piece to a rank that holds no parity");
   switch (static_cast<FrameType>(h.type)) {
     case FrameType::kPutBegin: {
       VersionMeta meta;
-      // The metadata describes the member's whole version; a piece is 1/(g - 1) of it.
-      const size_t pieces = parity->members().size() > 1 ? parity->members().size() - 1 : 1;
-      PEERSTATE_RETURN_IF_ERROR(read_put_meta(c, h, parity->block_bytes() * pieces, deadline, &meta));
+      // The metadata describes the member's whole version, g - 1 pieces of at most a block each:
+      // bounded by twice the two blocks (groups of up to 5; larger ones have smaller pieces).
+      PEERSTATE_RETURN_IF_ERROR(read_put_meta(c, h, parity ? 2 * parity->reserved_bytes() : 0, deadline, &meta));
       if (!meta.layout) return Status::Ok();
-      Status st = parity->begin(meta);
+      // A member that has not joined its group yet (starting, or a replacement) will: the
+      // sender is told, with the stream intact, and asks again (Replicator::push_pieces).
+      Status st = parity ? parity->begin(meta)
+                         : Status(StatusCode::kNotFound, "rank " + std::to_string(options_.credentials.rank()) +
+                                                             " holds no parity group yet");
       if (ends_stream(st)) return st;
       if (!st.ok()) return send_error(channel, st, deadline);
       return channel.send_frame(make_header(FrameType::kAck, meta.source_rank, meta.version), nullptr, deadline);

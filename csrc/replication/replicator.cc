@@ -1,6 +1,7 @@
 #include "replication/replicator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 
 #include "common/crc32c.h"
@@ -53,7 +54,8 @@ Status Replicator::push_pieces(int64_t version, const std::vector<int>& members,
     std::vector<Target> targets;
     for (size_t piece = 0; piece + 1 < g; piece++) {
       const ParityPiece p = parity_piece(layout, g, piece);
-      targets.push_back(Target{members[parity_holder(self, piece, g)], kParityStore, p.first_chunk, p.end_chunk});
+      targets.push_back(
+          Target{members[parity_holder(self, piece, g)], kParityStore, p.first_chunk, p.end_chunk, nullptr, wait_ms});
     }
     if (own != nullptr) targets.push_back(Target{rank_, 0, 0, 0, own, wait_ms});
     return targets;
@@ -84,10 +86,23 @@ Status Replicator::start_round(int64_t version, std::vector<Target> targets,
         round->results[i].status = target.own->wait_complete(meta.version, deadline_after_ms(target.wait_ms));
         return;
       }
-      ChunkQueue queue(target.first_chunk,
-                       std::min<uint32_t>(target.end_chunk, static_cast<uint32_t>(meta.layout->chunks.size())));
+      const uint32_t end = std::min<uint32_t>(target.end_chunk, static_cast<uint32_t>(meta.layout->chunks.size()));
+      ChunkQueue queue(target.first_chunk, end);
       TransferPlan plan{meta, data, &queue, target.store};
-      round->results[i].status = transport_->send(target.holder, plan);
+      Status& st = round->results[i].status;
+      st = transport_->send(target.holder, plan);
+      // A parity holder that has not joined its group yet refuses the begin (nothing was
+      // sent): it is about to (a member at its first step, a replacement after its pull),
+      // and its block of this version needs the piece, so ask again, up to wait_ms.
+      const Deadline deadline = deadline_after_ms(target.wait_ms);
+      for (long pause = 5; target.store == kParityStore && st.code() == StatusCode::kNotFound &&
+                           Clock::now() + std::chrono::milliseconds(pause) < deadline;
+           pause = std::min(2 * pause, 200L)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(pause));
+        ChunkQueue again(target.first_chunk, end);
+        plan.queue = &again;
+        st = transport_->send(target.holder, plan);
+      }
     });
   }
   round_ = std::move(round);

@@ -131,6 +131,24 @@ def test_a_member_killed_mid_round_leaves_the_parity_before_it_whole_and_holds_t
         assert refused and all(e and "BusyError" in e and "rank 1" in e for e in refused), results
 
 
+def test_a_member_that_joins_its_group_late_gets_the_pieces_pushed_before():
+    # As at a job's first step, or a replacement's: the others push before it holds its blocks.
+    with Cluster(["a", "b", "c", "d"], k=1, **SETUP) as cluster:
+        peers = cluster.peers
+        for r in GROUP:
+            peers[r].call("step", version=1, replicate=False)
+        block_bytes = max(peers[r].call("largest_piece", version=1, group_size=4)["nbytes"] for r in GROUP)
+        for r in (1, 2, 3):
+            peers[r].call("hold_parity", members=GROUP, block_bytes=block_bytes)
+            peers[r].call("push_pieces", version=1)  # rank 0 refuses their pieces: it holds no group yet
+        peers[0].call("hold_parity", members=GROUP, block_bytes=block_bytes)
+        peers[0].call("push_pieces", version=1)
+        for r in GROUP:
+            results = peers[r].call("wait", version=1)["results"]
+            assert results == {str(h): None for h in GROUP}, (r, results)
+        assert peers[0].call("parity")["digest"] == expected_block(0, 1, block_bytes)
+
+
 def test_two_losses_in_one_group_cannot_be_rebuilt_and_say_who_is_missing():
     with Cluster(["a", "b", "c", "d"], k=1, **SETUP) as cluster:
         start_group(cluster, versions=1)
