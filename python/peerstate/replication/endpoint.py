@@ -335,13 +335,10 @@ class Replication:
         member pushes (``largest_piece``), two blocks at most. Raises BudgetExceededError."""
         if self.rank not in members:
             raise InvalidArgumentError(f"rank {self.rank} is not in the parity group {list(members)}")
-        parity = _C.ParityStore(budget_bytes=budget_bytes or 0)
-        parity.hold(list(members), list(members).index(self.rank), block_bytes)
-        if self.parity is None:
-            self.server.hold_parity(parity)
-            self.parity = parity
-        else:  # the server keeps the store it was given: regroup that one
-            self.parity.hold(list(members), list(members).index(self.rank), block_bytes)
+        if self.parity is None:  # the server keeps the store it is given: a later call regroups that one
+            self.parity = _C.ParityStore(budget_bytes=budget_bytes or 0)
+            self.server.hold_parity(self.parity)
+        self.parity.hold(list(members), list(members).index(self.rank), block_bytes)
 
     def push_pieces(self, version: int) -> None:
         """Send committed ``version`` to this rank's parity group, one piece to each other
