@@ -27,7 +27,8 @@ overhead with.
 
 ``--versions 3``: the job's eager pipeline (``Job(versions=3)``: each version copied
 at its step's end and its push waited for at the next optimizer step), one version
-fewer in memory; its own capture-off blocks are its baseline.
+fewer in memory; ``--versions 2``: the synced one (the push waited for where the
+next forward returns), two fewer; each run's own capture-off blocks are its baseline.
 
 ``--sharded``: 4 simulated nodes of 1 worker, each tracking the whole state as its
 own (``track(data_parallel=False)``), as an FSDP shard is tracked: every step pushes
@@ -134,7 +135,8 @@ def main() -> None:
                         help="Job(data_parallel_shares=N); default: one share per worker of a node")
     parser.add_argument("--breakdown", action="store_true", help="time the step boundary's parts too")
     parser.add_argument("--versions", type=int, default=4,
-                        help="Job(versions=N): 3 runs the eager pipeline (the copy and the push on the step's path)")
+                        help="Job(versions=N): 3 runs the eager pipeline, 2 the synced one (the copy and the push "
+                             "on the step's path)")
     parser.add_argument("--sharded", action="store_true",
                         help="4 nodes of 1 worker, the state tracked as each rank's own (pushed whole every step)")
     parser.add_argument("--parity-group", type=int, default=0, help="with --sharded: Job(parity_group=G)")

@@ -19,10 +19,11 @@ What is measured, per shard size, in this run:
   after another, every one checked bitwise against the lost shard).
 
 What is computed from the layout, not measured: host memory per rank as a
-multiple of its shard (own versions: ``Job(versions=4)`` by default, 3 with the
-eager pipeline, for every mode; held for others: two regions per copy or parity block, as replicas are
-kept: the committed version and the incoming one), bytes pushed per rank per
-version, and bytes a replacement pulls and from how many sources.
+multiple of its shard (own versions: 4, the buddies' default, 3 with the eager
+pipeline, 2 with the synced one, parity groups' default, for every mode; held
+for others: two regions per copy or parity block, as replicas are kept: the
+committed version and the incoming one), bytes pushed per rank per version, and
+bytes a replacement pulls and from how many sources.
 
 Pieces are whole chunks of the snapshot (4 MiB, ``--chunk-bytes``), as the job
 cuts them: a block is 1/(g - 1) of the shard rounded up to a chunk.
@@ -51,13 +52,13 @@ from peerstate._C import ParityCoder
 from peerstate.replication.parity import ParityLayout, encode, rebuild, rebuild_piece
 from peerstate.state.snapshot import DEFAULT_CHUNK_BYTES
 from peerstate.worker.options import JobOptions
+from peerstate.worker.step_boundary import EAGER_VERSIONS, SYNCED_VERSIONS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from replication import plain_tcp_GBps  # noqa: E402  (the same baseline as bench/replication.py)
 
 MiB = 1 << 20
-VERSIONS = JobOptions().versions  # own versions a rank keeps by default, whatever the mode
-EAGER_VERSIONS = 3  # with Job(versions=3), the eager pipeline (StepBoundary)
+VERSIONS = JobOptions().versions  # own versions a rank keeps by default with buddies (parity groups: 2)
 REGIONS = 2  # of each copy or parity block a holder keeps: the committed version and the incoming one
 
 
@@ -108,7 +109,7 @@ def parity_row(size: int, members: int, threads: int, repeats: int, limit: dict,
         raise SystemExit(f"parity g={members} at {size // MiB} MiB rebuilt a shard that differs from the lost one")
     held = layout.held_bytes() / size
     return dict(mode=f"parity g={members} m=1", size_mib=size // MiB, memory_x=VERSIONS + REGIONS * held,
-                memory_eager_x=EAGER_VERSIONS + REGIONS * held,
+                memory_eager_x=EAGER_VERSIONS + REGIONS * held, memory_synced_x=SYNCED_VERSIONS + REGIONS * held,
                 held_for_others_x=REGIONS * held, pushed_x=layout.pushed_bytes(0) / size,
                 pull_sources=members - 1, pulled_x=1.0, holder_receives_x=(members - 2) * held,
                 encode_1_s=encode_1, encode_all_s=encode_all, encode_vs_memcpy_1=encode_1 / limit["memcpy_1_s"],
@@ -120,18 +121,19 @@ def copy_rows(size: int) -> list:
     rows = []
     for k in (1, 2):
         rows.append(dict(mode=f"buddies k={k}", size_mib=size // MiB, memory_x=VERSIONS + REGIONS * k,
-                         memory_eager_x=EAGER_VERSIONS + REGIONS * k,
+                         memory_eager_x=EAGER_VERSIONS + REGIONS * k, memory_synced_x=SYNCED_VERSIONS + REGIONS * k,
                          held_for_others_x=REGIONS * k, pushed_x=float(k), pull_sources=k, pulled_x=1.0))
     for shares in (1, 8):  # the state is replicated already: a rank snapshots 1/shares of it
         rows.append(dict(mode=f"data-parallel shares={shares}", size_mib=size // MiB, memory_x=VERSIONS / shares,
-                         memory_eager_x=EAGER_VERSIONS / shares,
+                         memory_eager_x=EAGER_VERSIONS / shares, memory_synced_x=SYNCED_VERSIONS / shares,
                          held_for_others_x=0.0, pushed_x=0.0, pull_sources=shares, pulled_x=1.0))
     return rows
 
 
 def table(rows: list, limit_rows: list) -> str:
-    lines = [f"{'mode':<26}{'shard':>7}{'memory':>8}{'3 vers.':>8}{'others':>8}{'pushed':>8}{'pull from':>10}"
-             f"{'encode 1t':>11}{'/copy':>7}{'encode all':>11}{'piece 1t':>10}{'rebuild':>9}{'/tcp':>6}"]
+    lines = [f"{'mode':<26}{'shard':>7}{'memory':>8}{'3 vers.':>8}{'2 vers.':>8}{'others':>8}{'pushed':>8}"
+             f"{'pull from':>10}{'encode 1t':>11}{'/copy':>7}{'encode all':>11}{'piece 1t':>10}{'rebuild':>9}"
+             f"{'/tcp':>6}"]
     for row in rows:
         coded = ""
         if "encode_1_s" in row:
@@ -139,7 +141,7 @@ def table(rows: list, limit_rows: list) -> str:
                      f"{row['encode_all_s'] * 1e3:>9.1f}ms{row['rebuild_piece_1_s'] * 1e3:>8.1f}ms"
                      f"{row['rebuild_whole_s'] * 1e3:>7.0f}ms{row['rebuild_whole_vs_tcp']:>5.1f}x")
         lines.append(f"{row['mode']:<26}{row['size_mib']:>5}Mi{row['memory_x']:>7.2f}x{row['memory_eager_x']:>7.2f}x"
-                     f"{row['held_for_others_x']:>7.2f}x"
+                     f"{row['memory_synced_x']:>7.2f}x{row['held_for_others_x']:>7.2f}x"
                      f"{row['pushed_x']:>7.2f}x{row['pull_sources']:>10}{coded}")
     lines.append("")
     lines.append("limits, same run: " + "; ".join(
@@ -167,10 +169,10 @@ def main(argv=None) -> int:
         rows += copy_rows(size)
         rows += [parity_row(size, members, threads, args.repeats, limit, args.chunk_bytes) for members in (4, 8)]
     print(table(rows, limit_rows))
-    print("memory: own versions (4; '3 vers.': Job(versions=3)) + held for others, in shards (computed from the "
-          "layout); pushed: bytes per version per rank, in shards; encode: a holder's XOR of its g-1 pieces; "
-          "piece: one holder's share of a rebuild; rebuild: the whole lost shard in one process, vs plain TCP of "
-          "the shard. m=2 (Reed-Solomon) is not built.")
+    print("memory: own versions (4; '3 vers.', '2 vers.': Job(versions=3), Job(versions=2)) + held for others, "
+          "in shards (computed from the layout); pushed: bytes per version per rank, in shards; encode: a holder's "
+          "XOR of its g-1 pieces; piece: one holder's share of a rebuild; rebuild: the whole lost shard in one "
+          "process, vs plain TCP of the shard. m=2 (Reed-Solomon) is not built.")
     result = dict(rows=rows, limits=limit_rows, threads=threads, versions=VERSIONS, regions=REGIONS,
                   chunk_bytes=args.chunk_bytes,
                   machine=dict(cores=threads, cpu=platform.processor() or platform.machine()))

@@ -25,8 +25,10 @@ def recoveries(job):
 
 
 @pytest.mark.parametrize("script_args", [[], ["--data-parallel"], ["--data-parallel", "--data-parallel-shares", "1"],
-                                         ["--versions", "3"], ["--versions", "3", "--data-parallel"]],
-                         ids=["replicated", "data-parallel", "data-parallel-full-copies", "eager", "eager-data-parallel"])
+                                         ["--versions", "3"], ["--versions", "3", "--data-parallel"],
+                                         ["--versions", "2"]],
+                         ids=["replicated", "data-parallel", "data-parallel-full-copies", "eager",
+                              "eager-data-parallel", "synced"])
 def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
     job = run(script_args=script_args)
     job.wait_for_step(2, 10)
@@ -60,7 +62,8 @@ def test_kill_one_worker_recovers_bitwise(run, reference, script_args):
                 r"its snapshots [\d.]+ MB \([\d.]+x what it copies a step")
         assert re.search(line, job.agent_logs[node].read_text()), job.agent_logs[node].read_text()[-3000:]
     if "--data-parallel" not in script_args:  # all of a rank's state goes to its buddy, which holds two versions
-        versions = 3 if "--versions" in script_args else 4  # the eager pipeline's, or the lazy one's
+        # the synced or eager pipeline's, or the lazy one's
+        versions = int(script_args[script_args.index("--versions") + 1]) if "--versions" in script_args else 4
         for m in memory.values():
             per, in_pages = m["snapshot_per_version"], -(-m["snapshot_per_version"] // mmap.PAGESIZE) * mmap.PAGESIZE
             assert per > 0 and m["snapshots_held"] == versions * in_pages, memory  # each version in whole pages
@@ -551,8 +554,8 @@ def test_a_loop_that_cannot_leave_its_call_gives_its_rank_to_a_spare(run, refere
     assert exits == [ABORT_DEADLINE_EXIT_CODE]
 
 
-@pytest.mark.parametrize("script_args", [[], ["--data-parallel"], ["--versions", "3"]],
-                         ids=["replicated", "data-parallel", "eager"])
+@pytest.mark.parametrize("script_args", [[], ["--data-parallel"], ["--versions", "2"]],
+                         ids=["replicated", "data-parallel", "synced"])
 def test_whole_node_killed(run, reference, script_args):
     job = run(script_args=script_args)
     job.wait_for(lambda: job.spare_pids(), "the spare")

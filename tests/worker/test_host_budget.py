@@ -60,7 +60,7 @@ def test_what_fits_the_share_passes_and_what_does_not_stops_the_job_with_what_to
                               "own state take 3.00 GiB and two regions of each replica it holds for ranks [1, 2] "
                               "take 2.00 GiB, over its share of 4.00 GiB (16.00 GiB from the node's physical memory, "
                               "for 4 ranks)"), message
-    assert ("(FSDP, more data-parallel shares), keep fewer versions (Job(versions=5) now; 3 at least, at the cost "
+    assert ("(FSDP, more data-parallel shares), keep fewer versions (Job(versions=5) now; 2 at least, at the cost "
             "of a copy and a push the step waits for), or") in message
     assert kv.get(keys.JOB_FAILED).decode() == message  # the job stops: every rank would refuse the same
 
@@ -83,12 +83,12 @@ def test_the_first_reason_recorded_is_the_one_raised():
 def test_at_the_fewest_versions_fewer_are_not_offered():
     kv = InMemoryKeyValueStore()
     with pytest.raises(InvalidArgumentError) as refused:
-        HostMemoryBudget(GIB, "physical memory", 2, Coordinator(kv).fail_job).own(1, GIB, 3)
+        HostMemoryBudget(GIB, "physical memory", 2, Coordinator(kv).fail_job).own(1, GIB, 2)
     assert "fewer versions" not in str(refused.value)
     assert "(FSDP, more data-parallel shares), or, if this node has more memory" in str(refused.value)
-    with pytest.raises(InvalidArgumentError) as refused:  # the default, 4: the eager pipeline's 3 are offered
+    with pytest.raises(InvalidArgumentError) as refused:  # the default, 4: the synced pipeline's 2 are offered
         HostMemoryBudget(GIB, "physical memory", 2, Coordinator(InMemoryKeyValueStore()).fail_job).own(1, GIB, 4)
-    assert "keep fewer versions (Job(versions=4) now; 3 at least" in str(refused.value)
+    assert "keep fewer versions (Job(versions=4) now; 2 at least" in str(refused.value)
 
 
 def test_sizes_are_said_in_the_unit_that_reads():

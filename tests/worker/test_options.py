@@ -9,15 +9,22 @@ from peerstate.worker.options import DATA_PARALLEL_SHARES_VARIABLE, JobOptions
 
 
 def test_fewer_versions_than_a_recovery_can_need_are_refused_by_the_job_itself():
-    # The eager pipeline needs 3 slots (a survivor's newest version can be 2 ahead of
-    # the newest a lost rank's buddy surely holds; JobOptions's docstring says why), the
-    # lazy one 4: 2 can leave no common step. Job() refuses before it reads its
-    # environment or connects anywhere, and says what 3 and 4 cost.
+    # The synced pipeline needs 2 slots (the version being copied and the one every rank
+    # has landed; JobOptions's docstring says why), the eager one 3, the lazy one 4: 1
+    # leaves nothing while a copy is under way. Job() refuses before it reads its
+    # environment or connects anywhere, and says what 2, 3 and 4 cost.
     import peerstate
 
-    with pytest.raises(InvalidArgumentError, match=r"versions >= 3 \(got 1, 2\).*3 copies each version at its step"):
-        peerstate.Job(versions=2)
-    assert JobOptions(versions=3).versions == 3
+    with pytest.raises(InvalidArgumentError, match=r"versions >= 2 \(got 1, 1\).*2 copies each version at its step"):
+        peerstate.Job(versions=1)
+    assert JobOptions(versions=2).versions == 2 and JobOptions(versions=3).versions == 3
+
+
+def test_the_versions_kept_follow_the_redundancy_unless_given():
+    # Buddies keep 4 (the lazy pipeline: nothing on the step's path); parity groups, chosen
+    # to save memory, 2 (the synced one); a number given is kept whatever the mode.
+    assert JobOptions().versions == 4 and JobOptions(parity_group=4).versions == 2
+    assert JobOptions(parity_group=4, versions=4).versions == 4 and JobOptions(versions=2).versions == 2
 
 
 @pytest.mark.parametrize("options, named", [

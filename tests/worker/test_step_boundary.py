@@ -102,3 +102,50 @@ def test_the_lazy_pipeline_starts_a_push_only_at_the_next_optimizer_step(two_ran
     boundary.end_step(2, 0.01, 0)
     boundary.start_replication()  # waits for version 1's push, starts version 2's
     assert 1 in buddy.held_versions()[0] and boundary.replication.replicator.in_flight_version() == 2
+
+
+def test_the_synced_pipeline_has_each_version_at_the_buddy_when_the_next_forward_returns(two_ranks, capsys):
+    # Job(versions=2): the boundary copies and pushes v; the tracked model's forward in
+    # step v+1 returns once v is committed at the buddy (a forward hook), before that
+    # step's backward and its collectives, so no rank reaches the boundary of v+1 (which
+    # reuses v-1's slot) before v landed everywhere. Two slots: v-1 and v between
+    # boundaries, v and v+1 from there on.
+    import torch
+
+    boundary, buddy = two_ranks(2)
+    model = boundary.tracked.objects["model"]
+    boundary.wait_in_forwards([model])  # track(model=[parts]): a hook on each part
+    for step in (1, 2, 3):
+        boundary.end_step(step, 0.01, 0)
+        assert boundary.replication.replicator.in_flight_version() == step
+        model(torch.ones(1, 2048))
+        assert step in buddy.held_versions()[0], (step, buddy.held_versions())
+        model(torch.ones(1, 2048))  # a second microbatch's forward: nothing left to wait for
+        boundary.start_replication()  # the optimizer step: waited for already, nothing said
+        assert sorted(boundary.tracked.own.committed_versions()) == ([step - 1] if step > 1 else []) + [step]
+    assert boundary.tracked.own.max_versions == 2
+    assert "forward" not in capsys.readouterr().err
+
+
+def test_the_synced_pipeline_refuses_a_model_with_no_forward_to_wait_in(two_ranks):
+    from peerstate.errors import InvalidArgumentError
+
+    boundary, _ = two_ranks(2)
+    with pytest.raises(InvalidArgumentError, match=r"Job\(versions=2\) waits for each version's push when the "
+                                                   r"model's forward returns: track\(model=...\) the nn.Module"):
+        boundary.wait_in_forwards(None)
+    two_ranks(3)[0].wait_in_forwards(None)  # the other pipelines wait at the optimizer step: no model needed
+
+
+def test_the_synced_pipeline_says_once_when_no_tracked_forward_waited(two_ranks, capsys):
+    # A script whose step runs a module it did not track: the round is still waited for
+    # at the optimizer step, but after the backward's collectives, so 2 versions no
+    # longer guarantee a common step. It is said once, naming the fix.
+    boundary, buddy = two_ranks(2)
+    for step in (1, 2):
+        boundary.end_step(step, 0.01, 0)
+        boundary.start_replication()
+        assert step in buddy.held_versions()[0]
+    said = capsys.readouterr().err
+    assert said.count("Job(versions=2) waits for each version's push when the tracked model's forward") == 1, said
+    assert "no forward of it ran before the optimizer step after version 1" in said, said

@@ -128,7 +128,9 @@ class WorkerParts:
     def track(self, objects: Dict[str, Any], extras: Mapping[str, Any], data_parallel: Union[bool, str]) -> None:
         """``Job.track``'s work up to waiting for a rank: register what is tracked (a
         spare or a replacement, allocating it too), or resume a new job from its disk
-        checkpoint; the first optimizer step of each round starts its replication."""
+        checkpoint; the first optimizer step of each round starts its replication
+        (and, 2 versions kept, each forward of a tracked module waits for its round)."""
+        self.boundary.wait_in_forwards(objects["model"])
         replica_mesh, replica_dim = replica_dimension(self.meshes, data_parallel)
         self.tracked.track(**objects, extras=extras, data_parallel=bool(data_parallel), replica_mesh=replica_mesh,
                            replica_dim=replica_dim)

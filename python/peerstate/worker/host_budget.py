@@ -123,8 +123,8 @@ class HostMemoryBudget:
             self._refuse(rank, f"{own}two parity blocks for its group {list(group)} take {size(held)}")
 
     def _refuse(self, rank: int, what: str) -> None:
-        fewer = (f" keep fewer versions (Job(versions={self._versions}) now; 3 at least, at the cost of a copy and "
-                 "a push the step waits for)," if self._versions > 3 else "")
+        fewer = (f" keep fewer versions (Job(versions={self._versions}) now; 2 at least, at the cost of a copy and "
+                 "a push the step waits for)," if self._versions > 2 else "")
         message = (f"rank {rank} cannot hold its state for recoveries in this node's memory: {what}, over its share "
                    f"of {size(self.share)} ({size(self.node_bytes)} from the node's {self.source}, for "
                    f"{self.ranks_per_node} ranks). Spread the state over more ranks or nodes (FSDP, more "

@@ -20,7 +20,9 @@ class JobOptions:
     Attributes:
         snapshot_every: snapshot (and replicate) every N steps; a failure costs at
             most N steps of work.
-        versions: snapshot versions kept per rank: 4 or more (the default, 4), or 3.
+        versions: snapshot versions kept per rank: 4 or more, 3 or 2. Unset, it
+            follows the redundancy: 4 with buddies (nothing on the step's path), 2
+            with parity groups (chosen to save memory: 2 + 2/(g-1) shards in all).
             With 4 the pipeline is lazy: a rank copies version v during the forward
             and backward of v+1 and pushes it from the optimizer step of v+1, after
             waiting there for the push of v-1, so while it is inside step v+2 (which
@@ -29,7 +31,11 @@ class JobOptions:
             is copied at its boundary (the step waits for the copy: what a plain
             memcpy of the state costs) and pushed at once, and the optimizer step of
             v+1 waits for the push to land (only for what of it outlasts a forward
-            and backward): one version fewer in every store (``StepBoundary``).
+            and backward): one version fewer in every store. With 2 it is synced:
+            as eager, but the wait is where the model's forward of v+1 returns,
+            before the backward's collectives, so no rank overwrites v-1 before v
+            landed everywhere (the step waits for what of the push outlasts a
+            forward; ``StepBoundary``).
         k: copies of each rank's state on other ranks.
         parity_group: instead of copies, erasure-coded parity groups of this many
             ranks on different nodes (3 or more; 0, the default: buddies, ``k``). Each
@@ -80,7 +86,7 @@ class JobOptions:
     """
 
     snapshot_every: int = 1
-    versions: int = 4
+    versions: Optional[int] = None  # set by __post_init__ from the redundancy
     k: int = 1
     parity_group: int = 0
     backend: Optional[str] = None
@@ -94,15 +100,18 @@ class JobOptions:
     data_parallel_shares: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.versions is None:
+            object.__setattr__(self, "versions", 2 if self.parity_group else 4)  # the synced or the lazy pipeline
         if not 0 < self.abort_timeout < self.join_timeout:
             raise InvalidArgumentError(f"abort_timeout must be positive and shorter than join_timeout, which the "
                                        f"other members wait for this one (got {self.abort_timeout} and "
                                        f"{self.join_timeout})")
-        if self.snapshot_every < 1 or self.versions < 3:
-            raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 3 (got {self.snapshot_every}, "
-                                       f"{self.versions}): fewer versions can leave no step that every rank still "
-                                       "holds (3 copies each version at its step's end and waits for its push at "
-                                       "the next optimizer step; 4, the default, waits for neither)")
+        if self.snapshot_every < 1 or self.versions < 2:
+            raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 2 (got {self.snapshot_every}, "
+                                       f"{self.versions}): one version leaves nothing to recover while the next is "
+                                       "copied (2 copies each version at its step's end and waits for its push when "
+                                       "the next forward returns; 3 at the next optimizer step; 4, the default, "
+                                       "waits for neither)")
         if self.parity_group and (self.parity_group < 3 or self.k != 1):
             raise InvalidArgumentError(f"parity_group={self.parity_group} with k={self.k}: a parity group has 3 "
                                        "members or more (2 is a mirror: use k=1), and it replaces the buddies, so k "

@@ -14,10 +14,11 @@ from peerstate.control import keys
 from peerstate.control.kvstore import KeyValueStore
 from peerstate.control.memory_figures import MEMORY_EVENT
 from peerstate.control.progress import ProgressCounter
-from peerstate.errors import AbortedError
+from peerstate.errors import AbortedError, InvalidArgumentError
 from peerstate.replication.endpoint import Replication
 from peerstate.replication.parity import ParityPlacement, largest_piece
 from peerstate.replication.placement import BuddyPlacement
+from peerstate.state.training_state import model_parts
 from peerstate.worker.checkpoint import DiskCheckpoints
 from peerstate.worker.context import WorkerContext
 from peerstate.worker.host_budget import HostMemoryBudget
@@ -89,7 +90,8 @@ def _hold_parity(kv: KeyValueStore, replication: Replication, placement: ParityP
         replication.hold_parity(group, block)
 
 
-EAGER_VERSIONS = 3  # the versions of the eager pipeline (StepBoundary); the lazy one needs one more
+SYNCED_VERSIONS = 2  # the versions of the synced pipeline (StepBoundary)
+EAGER_VERSIONS = 3  # of the eager one; the lazy one needs one more
 
 
 class StepBoundary:
@@ -98,7 +100,7 @@ class StepBoundary:
     The first boundary registers the tracked state (the optimizer's state exists
     only after its first step).
 
-    Two pipelines, chosen by ``versions`` (``JobOptions.versions``):
+    Three pipelines, chosen by ``versions`` (``JobOptions.versions``):
     - lazy (4 or more, the default): version v is copied during the forward and
       backward of v+1, pushed from the optimizer step of v+1 and waited for at
       that of v+2. Nothing waits on the step's path, but a rank inside step x is
@@ -106,7 +108,14 @@ class StepBoundary:
     - eager (3): v is copied at its boundary (the step waits for the copy),
       pushed at once, and waited for at the optimizer step of v+1 (the step waits
       only for what of the push outlasts a forward and backward). A rank inside
-      step x is sure of x-2: one version fewer in every store."""
+      step x is sure of x-2: one version fewer in every store.
+    - synced (2): as eager, but v's round is waited for when the model's forward
+      of v+1 returns (``forward_done``, a forward hook), before the backward's
+      collectives. A rank that reaches the boundary of v+1 finished those, so
+      every rank it exchanged gradients with (all of them, through the step's
+      collectives) had v landed everywhere: no rank overwrites v-1 before v is a
+      recovery point for the whole job, and 2 slots suffice. The step waits for
+      what of the push outlasts a forward."""
 
     def __init__(self, context: WorkerContext, tracked: TrackedState, checkpoints: DiskCheckpoints,
                  progress: Optional[ProgressCounter], snapshot_every: int, versions: int = 4) -> None:
@@ -119,7 +128,10 @@ class StepBoundary:
         self._report = context.report
         self._progress = progress
         self.snapshot_every = snapshot_every
-        self.eager = versions == EAGER_VERSIONS
+        self.eager = versions <= EAGER_VERSIONS  # eager or synced: the boundary starts the push
+        self.synced = versions == SYNCED_VERSIONS
+        self._waited_in_forward: Optional[int] = None  # the round forward_done last waited for
+        self._said_no_forward = False
         self._join_timeout = context.join_timeout
         self.capture = True
         self._pending_version: Optional[int] = None  # snapshotted, not yet replicated
@@ -217,7 +229,44 @@ class StepBoundary:
             self._report_failed_round()
             self.replication.replicate(version)  # data-parallel state has no buddies: nothing to send
         elif self.eager:
+            if self.synced:
+                self._check_forward_waited()
             self._report_failed_round()
+
+    def wait_in_forwards(self, model: Any) -> None:
+        """The synced pipeline: make each module of ``model`` (``track(model=...)``: one,
+        or a list of parts) call ``forward_done`` when its forward returns. Raises
+        InvalidArgumentError, before anything is registered, when it has none."""
+        if not self.synced:
+            return
+        modules = [m for m in model_parts(model) if hasattr(m, "register_forward_hook")]
+        if not modules:
+            raise InvalidArgumentError("Job(versions=2) waits for each version's push when the model's forward "
+                                       "returns: track(model=...) the nn.Module(s) each step runs, or keep 3 versions")
+        for module in modules:
+            module.register_forward_hook(lambda *_: self.forward_done())
+
+    def forward_done(self) -> None:
+        """The synced pipeline's wait (a forward hook on each tracked module): the
+        round of the version pushed at the last boundary must have landed before this
+        step's backward. Later forwards of the step (microbatches) find it done."""
+        if self.synced and self._context.ranked:
+            self._waited_in_forward = self._report_failed_round()
+
+    def _check_forward_waited(self) -> None:
+        """Say once if an optimizer step came with no forward of a tracked module since
+        the last push (the script runs another module's forward): the wait then falls to
+        the optimizer step, after the backward's collectives, and 2 versions no longer
+        guarantee a step every rank holds; a recovery may fall back to the disk checkpoint."""
+        version = self.replication.replicator.in_flight_version()
+        if version is None or version == self._waited_in_forward or self._said_no_forward:
+            return
+        self._said_no_forward = True
+        message = (f"rank {self.rank}: Job(versions=2) waits for each version's push when the tracked model's "
+                   f"forward returns, and no forward of it ran before the optimizer step after version {version}: "
+                   "track(model=...) the module(s) the step calls, or keep 3 versions")
+        self._report.events.write("forward_not_tracked", rank=self.rank, version=version, message=message)
+        print(f"peerstate: {message}", file=sys.stderr, flush=True)
 
     def forget_pending(self) -> None:
         """A recovery began: the version snapshotted last is not replicated."""
@@ -230,13 +279,14 @@ class StepBoundary:
         if in_flight is not None:
             self.replication.wait(in_flight, check=False)
 
-    def _report_failed_round(self) -> None:
-        """Say when a push to a holder starts failing: until one lands again, the last
-        version that holder committed is this rank's only copy there. The next round
-        retries; this only makes the failure visible (event log and stderr)."""
+    def _report_failed_round(self) -> Optional[int]:
+        """Wait for the round in flight and say when a push to a holder starts failing:
+        until one lands again, the last version that holder committed is this rank's
+        only copy there. The next round retries; this only makes the failure visible
+        (event log and stderr). Returns the round's version (None: none in flight)."""
         version = self.replication.replicator.in_flight_version()
         if version is None:
-            return
+            return None
         for holder, error in self.replication.wait(version, check=False).items():
             failing = None if error is None else str(error)
             if failing != self._failing_holders.get(holder):
@@ -246,3 +296,4 @@ class StepBoundary:
                 if failing:
                     print(f"peerstate: rank {self.rank}: version {version} did not reach its holder rank {holder} "
                           f"({failing}); retrying with the next step's version", file=sys.stderr, flush=True)
+        return version
