@@ -27,8 +27,8 @@ overhead with.
 
 ``--versions 3``: the job's eager pipeline (``Job(versions=3)``: each version copied
 at its step's end and its push waited for at the next optimizer step), one version
-fewer in memory; ``--versions 2``: the synced one (the push waited for where the
-next forward returns), two fewer; each run's own capture-off blocks are its baseline.
+fewer in memory; ``--versions 2``: the synced one (copied beside the next forward,
+pushed once copied, waited for where that forward returns), two fewer; each run's own capture-off blocks are its baseline.
 
 ``--sharded``: 4 simulated nodes of 1 worker, each tracking the whole state as its
 own (``track(data_parallel=False)``), as an FSDP shard is tracked: every step pushes

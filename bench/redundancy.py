@@ -19,11 +19,11 @@ What is measured, per shard size, in this run:
   after another, every one checked bitwise against the lost shard).
 
 What is computed from the layout, not measured: host memory per rank as a
-multiple of its shard (own versions: 4, the buddies' default, 3 with the eager
-pipeline, 2 with the synced one, parity groups' default, for every mode; held
-for others: two regions per copy or parity block, as replicas are kept: the
-committed version and the incoming one), bytes pushed per rank per version, and
-bytes a replacement pulls and from how many sources.
+multiple of its shard (own versions: 4 by default, 3 with the eager pipeline,
+2 with the synced one, for every mode; held for others: two regions per copy
+or parity block, as replicas are kept: the committed version and the incoming
+one), bytes pushed per rank per version, and bytes a replacement pulls and
+from how many sources.
 
 Pieces are whole chunks of the snapshot (4 MiB, ``--chunk-bytes``), as the job
 cuts them: a block is 1/(g - 1) of the shard rounded up to a chunk.
@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from replication import plain_tcp_GBps  # noqa: E402  (the same baseline as bench/replication.py)
 
 MiB = 1 << 20
-VERSIONS = JobOptions().versions  # own versions a rank keeps by default with buddies (parity groups: 2)
+VERSIONS = JobOptions().versions  # own versions a rank keeps by default, whatever the mode
 REGIONS = 2  # of each copy or parity block a holder keeps: the committed version and the incoming one
 
 

@@ -36,7 +36,7 @@ def assert_shards_bitwise(job, reference):
         assert not different, f"rank {rank}: shards {different} differ from the fault-free run"
 
 
-@pytest.mark.parametrize("versions", [["--versions", "4"], []], ids=["lazy", "synced-by-default"])
+@pytest.mark.parametrize("versions", [[], ["--versions", "2"]], ids=["lazy", "synced"])
 def test_a_killed_rank_is_rebuilt_from_its_group_bitwise_holding_a_third_of_a_copy(run, fsdp_reference, versions):
     job = run(nodes=FOUR_NODES, script_args=PARITY + versions)
     job.wait_for_step(2, 10)
@@ -48,9 +48,8 @@ def test_a_killed_rank_is_rebuilt_from_its_group_bitwise_holding_a_third_of_a_co
     # What each rank holds for the others: two parity blocks of a third of its shard, to a
     # whole chunk (4 MiB: this shard is one chunk, so a block is the whole of it; the
     # figures at scale are bench/redundancy.py's), where a buddy holds two regions of a copy.
-    # Own versions: 4 (lazy) or, by default with parity, 2 (synced: 2 + 2/3 of a shard in
-    # all, at scale).
-    kept = int(versions[1]) if versions else 2
+    # Own versions: 4 (lazy, the default) or 2 (synced: 2 + 2/3 of a shard in all, at scale).
+    kept = int(versions[1]) if versions else 4
     for m in {m["rank"]: m for m in job.events("memory")}.values():
         per = m["snapshot_per_version"]
         assert 0 < m["replicas_reserved"] <= 2 * (per // 3 + (4 << 20)), m
@@ -61,9 +60,9 @@ def test_a_killed_rank_is_rebuilt_from_its_group_bitwise_holding_a_third_of_a_co
 
 
 def test_a_whole_node_lost_is_rebuilt_from_the_other_nodes_bitwise(run, fsdp_reference):
-    # With 2 own versions (the synced pipeline, parity's default): the fewest a node loss
-    # under load can find a common step with (JobOptions.versions).
-    job = run(nodes=FOUR_NODES, script_args=PARITY)
+    # With 2 own versions (the synced pipeline): the fewest a node loss under load can
+    # find a common step with (JobOptions.versions).
+    job = run(nodes=FOUR_NODES, script_args=PARITY + ["--versions", "2"])
     job.wait_for(lambda: job.spare_pids(), "the spare")
     job.wait_for_step(2, 10)
     job.kill_node(1)

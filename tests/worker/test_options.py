@@ -20,13 +20,6 @@ def test_fewer_versions_than_a_recovery_can_need_are_refused_by_the_job_itself()
     assert JobOptions(versions=2).versions == 2 and JobOptions(versions=3).versions == 3
 
 
-def test_the_versions_kept_follow_the_redundancy_unless_given():
-    # Buddies keep 4 (the lazy pipeline: nothing on the step's path); parity groups, chosen
-    # to save memory, 2 (the synced one); a number given is kept whatever the mode.
-    assert JobOptions().versions == 4 and JobOptions(parity_group=4).versions == 2
-    assert JobOptions(parity_group=4, versions=4).versions == 4 and JobOptions(versions=2).versions == 2
-
-
 @pytest.mark.parametrize("options, named", [
     (dict(snapshot_every=0), r"snapshot_every >= 1"),
     (dict(abort_timeout=0), r"abort_timeout must be positive"),

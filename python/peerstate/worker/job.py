@@ -43,8 +43,8 @@ class Job:
     (``peerstate.worker.options``); a combination that cannot work raises
     InvalidArgumentError."""
 
-    def __init__(self, *, snapshot_every: int = 1, versions: Optional[int] = None, k: int = 1,
-                 backend: Optional[str] = None, checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, join_timeout: float = 120.0,
+    def __init__(self, *, snapshot_every: int = 1, versions: int = 4, k: int = 1, backend: Optional[str] = None,
+                 checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, join_timeout: float = 120.0,
                  failure_grace: float = 30.0, replica_budget_bytes: Optional[int] = None,
                  snapshot_threads: Optional[int] = None, abort_timeout: float = 60.0,
                  data_parallel_shares: Optional[int] = None, parity_group: int = 0) -> None:

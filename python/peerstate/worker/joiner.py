@@ -108,10 +108,10 @@ class EpochJoiner:
             self.context.report.recovery_began()
             self.wrappers.release()
             self.groups.destroy()
+            self.boundary.forget_pending()  # before the reset: no round of the old epoch starts in the new
             with membership.lock:  # see AbortHandler
                 self.replication.reset()
                 membership.epoch = plan.epoch
-            self.boundary.forget_pending()
             if not needs_state:
                 self.context.report.mark("abort")
         membership.epoch = plan.epoch

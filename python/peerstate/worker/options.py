@@ -20,9 +20,10 @@ class JobOptions:
     Attributes:
         snapshot_every: snapshot (and replicate) every N steps; a failure costs at
             most N steps of work.
-        versions: snapshot versions kept per rank: 4 or more, 3 or 2. Unset, it
-            follows the redundancy: 4 with buddies (nothing on the step's path), 2
-            with parity groups (chosen to save memory: 2 + 2/(g-1) shards in all).
+        versions: snapshot versions kept per rank: 4 or more (the default, 4: nothing
+            on the step's path, whatever the redundancy), 3 or 2 (less memory, for a
+            wait on the step's path: a job that does not fit is refused at its first
+            step, naming this option; ``tools.goodput_modes`` weighs them).
             With 4 the pipeline is lazy: a rank copies version v during the forward
             and backward of v+1 and pushes it from the optimizer step of v+1, after
             waiting there for the push of v-1, so while it is inside step v+2 (which
@@ -32,10 +33,11 @@ class JobOptions:
             memcpy of the state costs) and pushed at once, and the optimizer step of
             v+1 waits for the push to land (only for what of it outlasts a forward
             and backward): one version fewer in every store. With 2 it is synced:
-            as eager, but the wait is where the model's forward of v+1 returns,
-            before the backward's collectives, so no rank overwrites v-1 before v
-            landed everywhere (the step waits for what of the push outlasts a
-            forward; ``StepBoundary``).
+            v is copied beside the forward of v+1 and pushed as soon as it is
+            copied, and the step waits for its round where the model's forward
+            returns, before the backward's collectives, so no rank overwrites v-1
+            before v landed everywhere (the step waits for what of the copy and the
+            push outlasts a forward; ``StepBoundary``).
         k: copies of each rank's state on other ranks.
         parity_group: instead of copies, erasure-coded parity groups of this many
             ranks on different nodes (3 or more; 0, the default: buddies, ``k``). Each
@@ -86,7 +88,7 @@ class JobOptions:
     """
 
     snapshot_every: int = 1
-    versions: Optional[int] = None  # set by __post_init__ from the redundancy
+    versions: int = 4
     k: int = 1
     parity_group: int = 0
     backend: Optional[str] = None
@@ -100,8 +102,6 @@ class JobOptions:
     data_parallel_shares: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.versions is None:
-            object.__setattr__(self, "versions", 2 if self.parity_group else 4)  # the synced or the lazy pipeline
         if not 0 < self.abort_timeout < self.join_timeout:
             raise InvalidArgumentError(f"abort_timeout must be positive and shorter than join_timeout, which the "
                                        f"other members wait for this one (got {self.abort_timeout} and "

@@ -109,13 +109,15 @@ class StepBoundary:
       pushed at once, and waited for at the optimizer step of v+1 (the step waits
       only for what of the push outlasts a forward and backward). A rank inside
       step x is sure of x-2: one version fewer in every store.
-    - synced (2): as eager, but v's round is waited for when the model's forward
-      of v+1 returns (``forward_done``, a forward hook), before the backward's
-      collectives. A rank that reaches the boundary of v+1 finished those, so
-      every rank it exchanged gradients with (all of them, through the step's
-      collectives) had v landed everywhere: no rank overwrites v-1 before v is a
-      recovery point for the whole job, and 2 slots suffice. The step waits for
-      what of the push outlasts a forward."""
+    - synced (2): v is copied beside the forward of v+1 and pushed as soon as
+      the copy is done (a thread per version), and its round is waited for when
+      the model's forward of v+1 returns (``forward_done``, a forward hook),
+      before the backward's collectives. A rank that reaches the boundary of v+1
+      finished those, so every rank it exchanged gradients with (all of them,
+      through the step's collectives) had v landed everywhere: no rank
+      overwrites v-1 before v is a recovery point for the whole job, and 2 slots
+      suffice. The step waits for what of the copy and the push outlasts a
+      forward."""
 
     def __init__(self, context: WorkerContext, tracked: TrackedState, checkpoints: DiskCheckpoints,
                  progress: Optional[ProgressCounter], snapshot_every: int, versions: int = 4) -> None:
@@ -132,6 +134,9 @@ class StepBoundary:
         self.synced = versions == SYNCED_VERSIONS
         self._waited_in_forward: Optional[int] = None  # the round forward_done last waited for
         self._said_no_forward = False
+        self._starter: Optional[threading.Thread] = None  # synced: starts the round once the copy is done
+        self._starter_error: Optional[BaseException] = None
+        self._generation = 0  # forget_pending's count: a starter of an older one pushes nothing
         self._join_timeout = context.join_timeout
         self.capture = True
         self._pending_version: Optional[int] = None  # snapshotted, not yet replicated
@@ -164,7 +169,9 @@ class StepBoundary:
             for store in self.tracked.snapshotted(self.rank):
                 store.snapshot(step)
             self._pending_version = step
-            if self.eager:
+            if self.synced:
+                self._start_once_copied()
+            elif self.eager:
                 self.start_replication()
         if self._checkpoints.due(step):
             self._checkpoints.save(step, self.rank)
@@ -230,8 +237,37 @@ class StepBoundary:
             self.replication.replicate(version)  # data-parallel state has no buddies: nothing to send
         elif self.eager:
             if self.synced:
+                self._join_starter()
                 self._check_forward_waited()
             self._report_failed_round()
+
+    def _start_once_copied(self) -> None:
+        """Synced, at the boundary: the copy of the version just snapshotted runs beside
+        the next forward; a thread starts its round the moment the copy is done."""
+        version, self._pending_version = self._pending_version, None
+        stores, generation = list(self.tracked.snapshotted(self.rank)), self._generation
+        self._starter = threading.Thread(target=self._copy_then_push, args=(version, stores, generation),
+                                         name="peerstate-push-start", daemon=True)
+        self._starter.start()
+
+    def _copy_then_push(self, version: int, stores: list, generation: int) -> None:
+        try:
+            for store in stores:
+                store.wait()
+            if generation == self._generation:
+                self.replication.replicate(version)
+        except BaseException as error:  # raised on the training thread, by _join_starter
+            self._starter_error = error
+
+    def _join_starter(self) -> None:
+        """Wait until the round of the last version started (its copy done); raise what
+        stopped it, on the training thread."""
+        starter, self._starter = self._starter, None
+        if starter is not None:
+            starter.join()
+            error, self._starter_error = self._starter_error, None
+            if error is not None:
+                raise error
 
     def wait_in_forwards(self, model: Any) -> None:
         """The synced pipeline: make each module of ``model`` (``track(model=...)``: one,
@@ -251,6 +287,7 @@ class StepBoundary:
         round of the version pushed at the last boundary must have landed before this
         step's backward. Later forwards of the step (microbatches) find it done."""
         if self.synced and self._context.ranked:
+            self._join_starter()
             self._waited_in_forward = self._report_failed_round()
 
     def _check_forward_waited(self) -> None:
@@ -269,12 +306,22 @@ class StepBoundary:
         print(f"peerstate: {message}", file=sys.stderr, flush=True)
 
     def forget_pending(self) -> None:
-        """A recovery began: the version snapshotted last is not replicated."""
+        """A recovery began: the version snapshotted last is not replicated (call it
+        before the replication is reset: a synced round about to start is stopped, or
+        has started in the epoch the abort ended)."""
         self._pending_version = None
+        self._generation += 1
+        starter, self._starter = self._starter, None
+        if starter is not None:
+            starter.join()
+            self._starter_error = None
 
     def drain(self) -> None:
         """The loop is done: replicate the last version and wait for its round."""
-        self.start_replication()
+        if self.synced:
+            self._join_starter()  # no forward follows the last boundary: nothing to say
+        else:
+            self.start_replication()
         in_flight = self.replication.replicator.in_flight_version()
         if in_flight is not None:
             self.replication.wait(in_flight, check=False)
