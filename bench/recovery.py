@@ -20,16 +20,18 @@ With ``--one-per-node`` the peerstate job runs on 4 simulated nodes of 1 worker
 ``--replicated``) each rank's state is covered by a parity group of the 4
 instead of a buddy: the replacement pulls it from the 3 pieces the survivors
 rebuilt (``Job(parity_group=4)``). Run ``--replicated --one-per-node`` beside it
-for buddies on the same nodes.
+for buddies on the same nodes. ``--parity-group 8`` runs 8 workers (8 nodes of
+1), and so does the baseline; ``--workers 8`` sets that for buddies.
 
 With ``--etcd`` each run also recovers the same job with its control plane in a
 3-member etcd cluster on loopback (``--store etcd://``) instead of node 0's
 TCPStore: the ``etcd_s`` column, and the ratio of the two in the same run.
 
 Run: python bench/recovery.py [--quick] [--state-mib 256] [--repeat 3] [--data-parallel-shares N] [--etcd]
-[--replicated [--one-per-node]] [--parity-group G]
+[--replicated [--one-per-node [--workers N]]] [--parity-group G]
 Writes bench/results/recovery.json (recovery_replicated.json with --replicated,
-recovery_replicated_one_per_node.json, recovery_parity{G}.json,
+recovery_replicated_one_per_node.json, recovery_parity{G}.json; with _workers{N}
+and _{S}mib before .json for other worker counts and state sizes than 4 and 256;
 recovery_shares{N}.json with --data-parallel-shares N, recovery_etcd.json with
 --etcd): rows with phase, ours_s, baseline_s, speedup (and etcd_s).
 """
@@ -61,9 +63,9 @@ KEEP_LOGS_OVER_S = 5.0  # a recovery this slow keeps its folder
 
 def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float,
                        replicated: bool, shares: Optional[int], etcd: Optional[str] = None,
-                       one_per_node: bool = False, parity_group: int = 0) -> dict:
+                       one_per_node: bool = False, parity_group: int = 0, workers: int = 4) -> dict:
     store_args = ["--job-id", f"{work.parent.name}-{work.name}"] if etcd else []  # one per run
-    job = LocalJob(work, [(1, 1), (1, 0), (1, 0), (1, 0)] if one_per_node else [(2, 1), (2, 0)],
+    job = LocalJob(work, [(1, 1)] + [(1, 0)] * (workers - 1) if one_per_node else [(2, 1), (2, 0)],
                    [str(JOB), "--mode", "peerstate", "--state-mib", str(state_mib), "--steps", str(steps)]
                    + (["--replicated"] if replicated else [])
                    + (["--parity-group", str(parity_group)] if parity_group else [])
@@ -82,17 +84,18 @@ def peerstate_recovery(work: Path, state_mib: int, steps: int, kill_step: int, t
             "chunks_pulled": sum(p["chunks"] for p in pulled)}
 
 
-def _times(work: Path, generation: int, pattern: str) -> list:
+def _times(work: Path, generation: int, pattern: str, workers: int) -> list:
     return [[float(t) for t in re.findall(pattern, (work / f"restart{generation}.rank{rank}.log").read_text(), re.M)]
-            for rank in range(4)]
+            for rank in range(workers)]
 
 
-def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float) -> dict:
+def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, timeout: float,
+                     workers: int = 4) -> dict:
     checkpoints = work / "checkpoints"
     checkpoints.mkdir()
     script = [str(JOB), "--mode", "restart", "--state-mib", str(state_mib), "--steps", str(steps),
               "--checkpoint-dir", str(checkpoints)]
-    first = start_plain_workers(script, 4, work / "restart0")
+    first = start_plain_workers(script, workers, work / "restart0")
     second = []
     try:
         wait_until(lambda: any(int(s) >= kill_step for s in re.findall(
@@ -105,12 +108,12 @@ def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, tim
         detected_at = time.time()
         kill_all(first)
         stopped_at = time.time()
-        second = start_plain_workers(script + ["--resume"], 4, work / "restart1")
-        wait_until(lambda: all(t for t in _times(work, 1, r"^step \d+ (\S+)")), "the first step after restart",
-                   timeout, second, interval=0.005)
-        started = max(t[0] for t in _times(work, 1, r"^started (\S+)"))
-        loaded = max(t[0] for t in _times(work, 1, r"^loaded (\S+)"))
-        first_step = max(t[0] for t in _times(work, 1, r"^step \d+ (\S+)"))
+        second = start_plain_workers(script + ["--resume"], workers, work / "restart1")
+        wait_until(lambda: all(t for t in _times(work, 1, r"^step \d+ (\S+)", workers)),
+                   "the first step after restart", timeout, second, interval=0.005)
+        started = max(t[0] for t in _times(work, 1, r"^started (\S+)", workers))
+        loaded = max(t[0] for t in _times(work, 1, r"^loaded (\S+)", workers))
+        first_step = max(t[0] for t in _times(work, 1, r"^step \d+ (\S+)", workers))
     finally:
         kill_all(first + second)
     phases = {"detect": detected_at - killed_at, "stop": stopped_at - detected_at, "restart": started - stopped_at,
@@ -120,7 +123,7 @@ def restart_recovery(work: Path, state_mib: int, steps: int, kill_step: int, tim
 
 def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: float = 300.0,
         replicated: bool = False, shares: Optional[int] = None, etcd: bool = False, one_per_node: bool = False,
-        parity_group: int = 0) -> list:
+        parity_group: int = 0, workers: int = 4) -> list:
     repeat = repeat or (1 if quick else 3)
     steps, kill_step = 60, 25
     ours, baseline, over_etcd = [], [], []
@@ -131,12 +134,13 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
             (work / "ours").mkdir()
             (work / "base").mkdir()
             ours.append(peerstate_recovery(work / "ours", state_mib, steps, kill_step, timeout, replicated, shares,
-                                           one_per_node=one_per_node, parity_group=parity_group))
+                                           one_per_node=one_per_node, parity_group=parity_group,
+                                           workers=workers))
             if cluster:
                 (work / "etcd").mkdir()
                 over_etcd.append(peerstate_recovery(work / "etcd", state_mib, steps, kill_step, timeout, replicated,
                                                     shares, etcd=cluster.url))
-            baseline.append(restart_recovery(work / "base", state_mib, steps, kill_step, timeout))
+            baseline.append(restart_recovery(work / "base", state_mib, steps, kill_step, timeout, workers))
             slowest = max(r["total_s"] for r in (ours[-1], *over_etcd[-1:]))
             if slowest < KEEP_LOGS_OVER_S:
                 shutil.rmtree(work)
@@ -169,11 +173,11 @@ def run(quick: bool = False, state_mib: int = 256, repeat: int = 0, timeout: flo
         rows[-1].update(etcd_s=etcd_total, etcd_speedup=base_total / etcd_total,
                         etcd_vs_tcpstore=etcd_total / ours_total)
     for row in rows:
-        row.update(state_mib=state_mib, workers=4, spares=1, runs=repeat,
+        row.update(state_mib=state_mib, workers=workers, spares=1, runs=repeat,
                    data_parallel_shares=shares or 2,  # the Job's default here: one per worker of a node
                    state_from=(f"parity groups of {parity_group}" if parity_group else "buddies (replicated)"
                                if replicated else "surviving ranks (data_parallel)"),
-                   nodes="4 x 1" if one_per_node else "2 x 2")
+                   nodes=f"{workers} x 1" if one_per_node else "2 x 2")
     rows.append({"phase": "each run", "runs": [
         {"ours_s": o["total_s"], "baseline_s": b["total_s"], "speedup": b["total_s"] / o["total_s"],
          "chunks_from_memory": o["chunks_from_memory"], "chunks_pulled": o["chunks_pulled"],
@@ -210,18 +214,24 @@ def main() -> None:
     parser.add_argument("--one-per-node", action="store_true", help="4 simulated nodes of 1 worker (2 x 2 by default)")
     parser.add_argument("--parity-group", type=int, default=0,
                         help="Job(parity_group=G): implies --replicated and --one-per-node; writes recovery_parity{G}.json")
+    parser.add_argument("--workers", type=int, default=4,
+                        help="with --one-per-node: this many nodes of 1 worker (default 4; --parity-group G: G)")
     parser.add_argument("--etcd", action="store_true",
                         help="also recover with the control plane in a 3-member etcd cluster on loopback (needs the "
                              "etcd binary); writes recovery_etcd.json")
     args = parser.parse_args()
     if args.parity_group:
         args.replicated = args.one_per_node = True
+        args.workers = max(args.workers, args.parity_group)
+    if args.workers != 4 and not args.one_per_node:
+        parser.error("--workers needs --one-per-node (or --parity-group)")
     source = (f"its parity group of {args.parity_group}" if args.parity_group else
               "its buddy" if args.replicated else "the surviving ranks (data_parallel)")
-    print(f"recovery of 4 workers + 1 spare on {'4 nodes of 1' if args.one_per_node else '2 nodes of 2'}, "
+    print(f"recovery of {args.workers} workers + 1 spare on "
+          f"{f'{args.workers} nodes of 1' if args.one_per_node else '2 nodes of 2'}, "
           f"{args.state_mib} MiB of state per rank, kill -9 of rank 2, state from {source}")
     rows = run(args.quick, args.state_mib, args.repeat, replicated=args.replicated, shares=args.data_parallel_shares,
-               etcd=args.etcd, one_per_node=args.one_per_node, parity_group=args.parity_group)
+               etcd=args.etcd, one_per_node=args.one_per_node, parity_group=args.parity_group, workers=args.workers)
     print_table(rows)
     path = (RESULTS.with_name("recovery_etcd.json") if args.etcd else
             RESULTS.with_name(f"recovery_parity{args.parity_group}.json") if args.parity_group else
@@ -229,6 +239,9 @@ def main() -> None:
             RESULTS.with_name("recovery_replicated.json") if args.replicated else
             RESULTS.with_name(f"recovery_shares{args.data_parallel_shares}.json") if args.data_parallel_shares else
             RESULTS)
+    suffix = (f"_workers{args.workers}" if args.workers != 4 and not args.parity_group else "") + \
+        (f"_{args.state_mib}mib" if args.state_mib != 256 else "")
+    path = path.with_name(f"{path.stem}{suffix}.json")
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({"benchmark": "recovery", "time": time.time(), "rows": rows}, indent=1))
     print(f"wrote {path}")

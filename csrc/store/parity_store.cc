@@ -104,6 +104,10 @@ std::string ParityStore::missing_locked(const ParityVersion& block) const {
 void ParityStore::reset_locked(std::unique_lock<std::mutex>& lock, ParityVersion* block, int64_t version) {
   // It is the new version's at once (other members' begin() see it), but no piece
   // begins in it until the folds still writing into it have finished and it is zeroed.
+  if (block->failed) {  // what a member still waiting in commit() is told
+    dropped_version_ = block->version;
+    dropped_why_ = failure_of(*block);
+  }
   block->generation++;  // folds not yet writing give up
   block->version = version;
   block->complete = false;
@@ -175,7 +179,22 @@ Status ParityStore::begin(const VersionMeta& meta) {
       }
       return Status::Ok();
     }
-    // A newer version: it needs the block that is not the newest complete one.
+    // A newer version. A member pushes in version order and never sends a version
+    // again once its round of it ended: if its piece of the version being assembled
+    // is not all in, that version can never complete, and holding the newer one back
+    // for it would hold every member back for good (seen with a group of 8 whose
+    // first round outlasted the members' waits for a late holder).
+    if (incoming && !incoming->failed) {
+      auto own = incoming->contributions.find(source);
+      if (own == incoming->contributions.end() || own->second.folded != own->second.arrived.size()) {
+        ParityContribution& c = incoming->contributions[source];
+        c.failure = rank_name(source) + " moved on to version " + std::to_string(v) + " without all of its piece of " +
+                    "version " + std::to_string(incoming->version);
+        incoming->failed = true;
+        changed_.notify_all();
+      }
+    }
+    // It needs the block that is not the newest complete one.
     ParityVersion* reuse = incoming;
     if (reuse == nullptr)
       for (const auto& b : blocks_)
@@ -252,6 +271,7 @@ Status ParityStore::fold(ChunkFold* fold, const unsigned char* staged, uint32_t 
   ParityVersion& v = *fold->version;
   const Layout* layout = nullptr;
   size_t piece_offset = 0;
+  int64_t version = -1;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     fold->pending = false;
@@ -270,6 +290,7 @@ Status ParityStore::fold(ChunkFold* fold, const unsigned char* staged, uint32_t 
     }
     layout = fold->layout.get();
     piece_offset = c.piece.region_offset;
+    version = v.version;
     v.writers++;
   }
   const ChunkPlacement& placed = layout->chunks[fold->chunk];
@@ -288,6 +309,12 @@ Status ParityStore::fold(ChunkFold* fold, const unsigned char* staged, uint32_t 
   }
   std::lock_guard<std::mutex> lock(mutex_);
   v.writers--;
+  if (v.generation != fold->generation) {  // reset while it wrote (a rollback): the reset waits for it
+    changed_.notify_all();
+    return Status(StatusCode::kAborted,
+                  "version " + std::to_string(version) + " of " + rank_name(fold->source_rank) +
+                      " was dropped while its chunk was folded");
+  }
   ParityContribution& c = v.contributions.at(fold->source_rank);
   c.arrived[fold->chunk - c.piece.first_chunk] = 2;
   c.folded++;
@@ -314,7 +341,8 @@ Status ParityStore::commit(int source_rank, int64_t version, Deadline deadline) 
     for (const auto& b : blocks_)
       if (b && b->version == version) block = b.get();
     if (block == nullptr || block->contributions.count(source_rank) == 0)
-      return Status(StatusCode::kAborted, what + " was dropped before its block was complete");
+      return Status(StatusCode::kAborted, what + " was dropped before its block was complete" +
+                                              (version == dropped_version_ ? " (" + dropped_why_ + ")" : ""));
     const ParityContribution& c = block->contributions.at(source_rank);
     if (!c.failure.empty())
       return Status(c.failure.find("CRC32C") != std::string::npos ? StatusCode::kChecksumMismatch
@@ -325,9 +353,14 @@ Status ParityStore::commit(int source_rank, int64_t version, Deadline deadline) 
                                               failure_of(*block) + ")");
     if (block->complete) return Status::Ok();
     if (changed_.wait_until(lock, deadline) == std::cv_status::timeout) {
-      if (c.folded != c.arrived.size())
-        return Status(StatusCode::kTimeout, what + ": " + std::to_string(c.arrived.size() - c.folded) + " of " +
-                                                std::to_string(c.arrived.size()) + " chunks of its piece missing");
+      // Looked up again: a rollback may have reset the block while this waited.
+      if (block->version != version || block->contributions.count(source_rank) == 0)
+        return Status(StatusCode::kAborted, what + " was dropped before its block was complete");
+      const ParityContribution& now = block->contributions.at(source_rank);
+      if (now.folded != now.arrived.size())
+        return Status(StatusCode::kTimeout, what + ": " + std::to_string(now.arrived.size() - now.folded) +
+                                                " of " + std::to_string(now.arrived.size()) +
+                                                " chunks of its piece missing");
       return Status(StatusCode::kTimeout,
                     what + " is folded, but the version still lacks the pieces of " + missing_locked(*block));
     }

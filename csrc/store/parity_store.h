@@ -202,6 +202,8 @@ class ParityStore {
   std::array<std::shared_ptr<ParityVersion>, 2> blocks_;
   std::map<int, std::shared_ptr<const RebuiltPiece>> rebuilt_;
   int64_t newest_allowed_ = -1;
+  int64_t dropped_version_ = -1;  // the last version dropped after it failed, and why
+  std::string dropped_why_;
   bool interrupted_ = false;  // between interrupt_waits() and resume_waits()
 };
 

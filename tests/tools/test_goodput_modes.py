@@ -60,3 +60,7 @@ def test_the_modes_come_from_the_benchmarks_results(tmp_path):
                              "parity g=4, 4 versions", "parity g=8, 2 versions", "parity g=8, 4 versions"]
     assert modes["parity g=4, 2 versions"] == RedundancyMode("parity g=4, 2 versions", 2.67, 1.0, 0.77, 2, 3)
     assert modes["buddies k=1, 4 versions"] == RedundancyMode("buddies k=1, 4 versions", 6.0, 1.0, 0.35, 4, 1)
+    assert modes["parity g=8, 2 versions"].recovery_s == 0.77  # g=8 not measured: g=4's stands in
+    (tmp_path / "recovery_parity8.json").write_text(json.dumps({"rows": [{"phase": "kill to first step",
+                                                                           "ours_s": 0.9}]}))
+    assert {m.name: m for m in modes_from_results(tmp_path)}["parity g=8, 4 versions"].recovery_s == 0.9

@@ -6,7 +6,8 @@ modes a job should run. A mode (``RedundancyMode``) brings four figures:
 - host memory per rank, in shards (own versions plus what it holds for others),
   and bytes pushed per rank per step, in shards: from the layout code
   (``bench/redundancy.py``'s rows);
-- its kill-to-first-step, measured on a small job (``bench/recovery.py``);
+- its kill-to-first-step, measured on a small job (``bench/recovery.py``: a buddy
+  on another node, parity groups of 4 and of 8 on 4 and 8 nodes);
 - the pipeline its version count runs (``StepBoundary``), which says what the
   step waits for.
 
@@ -97,7 +98,8 @@ def mode_row(inputs: GoodputInputs, shape: JobShape, mode: RedundancyMode, accel
     o = overhead(inputs, shape, mode)
     data_plane = replace(inputs, peerstate_overhead=o, peerstate_recovery_s=mode.recovery_s, k=mode.exposed_nodes)
     closed = closed_form(data_plane, accelerators)
-    return {"shape": shape.name, "mode": mode.name, "accelerators": accelerators, "memory_gb": mode.memory_x * shape.state_gb,
+    return {"shape": shape.name, "mode": mode.name, "accelerators": accelerators,
+            "memory_gb": mode.memory_x * shape.state_gb,
             "fits": fits(shape, mode), "pushed_gb": mode.pushed_x * shape.state_gb, "push_s": shape.push_s(mode),
             "overhead": o, "recovery_s": data_plane.recovery_s(accelerators),
             "goodput": closed["peerstate"] if fits(shape, mode) else None, "restart": closed["checkpoint-restart"]}
@@ -106,23 +108,24 @@ def mode_row(inputs: GoodputInputs, shape: JobShape, mode: RedundancyMode, accel
 def modes_from_results(results_dir: Path, size_mib: int = 1024) -> List[RedundancyMode]:
     """The modes the benchmarks measured: memory and traffic from redundancy.json at
     ``size_mib``, kill-to-first-step from recovery_replicated_one_per_node.json (a buddy
-    on another node) and recovery_parity4.json. Empty when they are missing."""
-    def read(name: str) -> Optional[dict]:
+    on another node), recovery_parity4.json and recovery_parity8.json (g = 4's where
+    g = 8's is missing). Empty when the others are missing."""
+    def kill_s(name: str) -> Optional[float]:
         path = results_dir / name
-        return json.loads(path.read_text()) if path.exists() else None
+        if not path.exists():
+            return None
+        return next(r["ours_s"] for r in json.loads(path.read_text())["rows"] if r["phase"] == "kill to first step")
 
-    layout, buddy, parity = (read(n) for n in ("redundancy.json", "recovery_replicated_one_per_node.json",
-                                               "recovery_parity4.json"))
-    if not (layout and buddy and parity):
+    layout = results_dir / "redundancy.json"
+    buddy, parity4 = kill_s("recovery_replicated_one_per_node.json"), kill_s("recovery_parity4.json")
+    if not (layout.exists() and buddy and parity4):
         return []
-    rows = {r["mode"]: r for r in layout["rows"] if r["size_mib"] == size_mib}
-    kill = {name: next(r["ours_s"] for r in result["rows"] if r["phase"] == "kill to first step")
-            for name, result in (("buddy", buddy), ("parity", parity))}
+    parity8 = kill_s("recovery_parity8.json") or parity4
+    rows = {r["mode"]: r for r in json.loads(layout.read_text())["rows"] if r["size_mib"] == size_mib}
     modes = []
-    # g = 8's kill-to-first-step is not measured: g = 4's stands for it (its pull has 7 sources, not 3).
-    for label, row, recovery, exposed in (("buddies k=1", rows["buddies k=1"], kill["buddy"], 1),
-                                          ("parity g=4", rows["parity g=4 m=1"], kill["parity"], 3),
-                                          ("parity g=8", rows["parity g=8 m=1"], kill["parity"], 7)):
+    for label, row, recovery, exposed in (("buddies k=1", rows["buddies k=1"], buddy, 1),
+                                          ("parity g=4", rows["parity g=4 m=1"], parity4, 3),
+                                          ("parity g=8", rows["parity g=8 m=1"], parity8, 7)):
         for versions, memory in ((4, row["memory_x"]), (2, row["memory_synced_x"])):
             modes.append(RedundancyMode(f"{label}, {versions} versions", memory, row["pushed_x"], recovery, versions,
                                         exposed))
@@ -135,8 +138,8 @@ def table(inputs: GoodputInputs, shape: JobShape, modes: Sequence[RedundancyMode
 
 
 def print_table(shape: JobShape, rows: List[dict]) -> None:
-    print(f"per redundancy mode, {shape.name}: {shape.state_gb:g} GB of state per accelerator, {shape.host_gb:g} GB of host "
-          f"memory for recoveries, {shape.network_gb_s:g} GB/s to push over, a {shape.copy_gb_s:g} GB/s copy "
+    print(f"per redundancy mode, {shape.name}: {shape.state_gb:g} GB of state per accelerator, {shape.host_gb:g} GB "
+          f"of host memory for recoveries, {shape.network_gb_s:g} GB/s to push over, a {shape.copy_gb_s:g} GB/s copy "
           "(tools/goodput_modes.py: what is modelled; memory and traffic from bench/redundancy.py, R_ps from "
           "bench/recovery.py)")
     print(f"{'accelerators':>12}  {'mode':<26}{'memory':>9}{'fits':>6}{'pushed':>9}{'push':>7}{'overhead':>10}"
