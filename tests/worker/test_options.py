@@ -15,7 +15,7 @@ def test_fewer_versions_than_a_recovery_can_need_are_refused_by_the_job_itself()
     # environment or connects anywhere, and says what 2, 3 and 4 cost.
     import peerstate
 
-    with pytest.raises(InvalidArgumentError, match=r"versions >= 2 \(got 1, 1\).*2 copies each version at its step"):
+    with pytest.raises(InvalidArgumentError, match=r"versions >= 2 \(got 1, 1\).*2 copies each version beside the next forward"):
         peerstate.Job(versions=1)
     assert JobOptions(versions=2).versions == 2 and JobOptions(versions=3).versions == 3
 

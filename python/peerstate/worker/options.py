@@ -109,9 +109,9 @@ class JobOptions:
         if self.snapshot_every < 1 or self.versions < 2:
             raise InvalidArgumentError(f"need snapshot_every >= 1 and versions >= 2 (got {self.snapshot_every}, "
                                        f"{self.versions}): one version leaves nothing to recover while the next is "
-                                       "copied (2 copies each version at its step's end and waits for its push when "
-                                       "the next forward returns; 3 at the next optimizer step; 4, the default, "
-                                       "waits for neither)")
+                                       "copied (2 copies each version beside the next forward and waits for its push "
+                                       "where that forward returns; 3 copies it at its step's end and waits at the "
+                                       "next optimizer step; 4, the default, waits for neither)")
         if self.parity_group and (self.parity_group < 3 or self.k != 1):
             raise InvalidArgumentError(f"parity_group={self.parity_group} with k={self.k}: a parity group has 3 "
                                        "members or more (2 is a mirror: use k=1), and it replaces the buddies, so k "
