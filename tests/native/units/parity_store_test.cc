@@ -162,13 +162,19 @@ TEST(ParityStore, FoldsEveryMembersPieceIntoOneBlockThatRebuildsALostOne) {
   EXPECT_EQ(store.held_bytes() >= 2 * store.block_bytes(), true);
 }
 
+// Version 1 complete; ranks 11 and 12 have sent all of version 2, rank 13 none of it.
+std::vector<Version> version_2_lacking_13(ParityStore& store) {
+  EXPECT_TRUE(push_all(store, versions(1)).ok());
+  std::vector<Version> v2 = versions(2);
+  EXPECT_TRUE(send(store, v2[0]).ok());
+  EXPECT_TRUE(send(store, v2[1]).ok());
+  return v2;
+}
+
 TEST(ParityStore, AnIncompleteVersionStaysInvisibleAndHoldsTheNextBackNamingWhoIsMissing) {
   std::unique_ptr<ParityStore> held = held_store();
   ParityStore& store = *held;
-  ASSERT_TRUE(push_all(store, versions(1)).ok());
-  const std::vector<Version> v2 = versions(2);
-  ASSERT_TRUE(send(store, v2[0]).ok());
-  ASSERT_TRUE(send(store, v2[1]).ok());
+  const std::vector<Version> v2 = version_2_lacking_13(store);
   // A member's round ends only when the whole version is covered here.
   Status waiting = commit(store, v2[0], 100);
   EXPECT_EQ(waiting.code(), StatusCode::kTimeout);
@@ -200,10 +206,7 @@ TEST(ParityStore, AMemberThatMovesOnWithoutItsPieceFailsTheVersionSoTheGroupIsNo
   for (const long sent_of_13 : {0L, 1L}) {  // none of its piece, or part of it
     std::unique_ptr<ParityStore> held = held_store();
     ParityStore& store = *held;
-    ASSERT_TRUE(push_all(store, versions(1)).ok());
-    const std::vector<Version> v2 = versions(2);
-    ASSERT_TRUE(send(store, v2[0]).ok());
-    ASSERT_TRUE(send(store, v2[1]).ok());
+    const std::vector<Version> v2 = version_2_lacking_13(store);
     if (sent_of_13) {
       ASSERT_TRUE(store.begin(v2[2].meta).ok());
       ASSERT_TRUE(fold_chunks(store, v2[2], 0, sent_of_13).ok());
