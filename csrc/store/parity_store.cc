@@ -336,13 +336,15 @@ void ParityStore::complete_if_done_locked(ParityVersion* block) {
 Status ParityStore::commit(int source_rank, int64_t version, Deadline deadline) {
   std::unique_lock<std::mutex> lock(mutex_);
   const std::string what = "version " + std::to_string(version) + " of " + rank_name(source_rank);
+  const auto dropped = [&] {
+    return Status(StatusCode::kAborted, what + " was dropped before its block was complete" +
+                                            (version == dropped_version_ ? " (" + dropped_why_ + ")" : ""));
+  };
   for (;;) {
     const ParityVersion* block = nullptr;
     for (const auto& b : blocks_)
       if (b && b->version == version) block = b.get();
-    if (block == nullptr || block->contributions.count(source_rank) == 0)
-      return Status(StatusCode::kAborted, what + " was dropped before its block was complete" +
-                                              (version == dropped_version_ ? " (" + dropped_why_ + ")" : ""));
+    if (block == nullptr || block->contributions.count(source_rank) == 0) return dropped();
     const ParityContribution& c = block->contributions.at(source_rank);
     if (!c.failure.empty())
       return Status(c.failure.find("CRC32C") != std::string::npos ? StatusCode::kChecksumMismatch
@@ -354,8 +356,7 @@ Status ParityStore::commit(int source_rank, int64_t version, Deadline deadline) 
     if (block->complete) return Status::Ok();
     if (changed_.wait_until(lock, deadline) == std::cv_status::timeout) {
       // Looked up again: a rollback may have reset the block while this waited.
-      if (block->version != version || block->contributions.count(source_rank) == 0)
-        return Status(StatusCode::kAborted, what + " was dropped before its block was complete");
+      if (block->version != version || block->contributions.count(source_rank) == 0) return dropped();
       const ParityContribution& now = block->contributions.at(source_rank);
       if (now.folded != now.arrived.size())
         return Status(StatusCode::kTimeout, what + ": " + std::to_string(now.arrived.size() - now.folded) +
