@@ -132,7 +132,6 @@ class StepBoundary:
         self.snapshot_every = snapshot_every
         self.eager = versions <= EAGER_VERSIONS  # eager or synced: the boundary starts the push
         self.synced = versions == SYNCED_VERSIONS
-        self._waited_in_forward: Optional[int] = None  # the round forward_done last waited for
         self._said_no_forward = False
         self._starter: Optional[threading.Thread] = None  # synced: starts the round once the copy is done
         self._starter_error: Optional[BaseException] = None
@@ -288,15 +287,16 @@ class StepBoundary:
         step's backward. Later forwards of the step (microbatches) find it done."""
         if self.synced and self._context.ranked:
             self._join_starter()
-            self._waited_in_forward = self._report_failed_round()
+            self._report_failed_round()
 
     def _check_forward_waited(self) -> None:
-        """Say once if an optimizer step came with no forward of a tracked module since
-        the last push (the script runs another module's forward): the wait then falls to
-        the optimizer step, after the backward's collectives, and 2 versions no longer
-        guarantee a step every rank holds; a recovery may fall back to the disk checkpoint."""
-        version = self.replication.replicator.in_flight_version()
-        if version is None or version == self._waited_in_forward or self._said_no_forward:
+        """Say once if an optimizer step finds the last push's round still in flight: no
+        forward of a tracked module waited for it (the script runs another module's
+        forward), so the wait falls to the optimizer step, after the backward's
+        collectives, and 2 versions no longer guarantee a step every rank holds; a
+        recovery may fall back to the disk checkpoint."""
+        version = self.replication.replicator.in_flight_version()  # None once a wait joined the round
+        if version is None or self._said_no_forward:
             return
         self._said_no_forward = True
         message = (f"rank {self.rank}: Job(versions=2) waits for each version's push when the tracked model's "
@@ -326,14 +326,14 @@ class StepBoundary:
         if in_flight is not None:
             self.replication.wait(in_flight, check=False)
 
-    def _report_failed_round(self) -> Optional[int]:
+    def _report_failed_round(self) -> None:
         """Wait for the round in flight and say when a push to a holder starts failing:
         until one lands again, the last version that holder committed is this rank's
         only copy there. The next round retries; this only makes the failure visible
-        (event log and stderr). Returns the round's version (None: none in flight)."""
+        (event log and stderr)."""
         version = self.replication.replicator.in_flight_version()
         if version is None:
-            return None
+            return
         for holder, error in self.replication.wait(version, check=False).items():
             failing = None if error is None else str(error)
             if failing != self._failing_holders.get(holder):
@@ -343,4 +343,3 @@ class StepBoundary:
                 if failing:
                     print(f"peerstate: rank {self.rank}: version {version} did not reach its holder rank {holder} "
                           f"({failing}); retrying with the next step's version", file=sys.stderr, flush=True)
-        return version
