@@ -75,7 +75,8 @@ WATCH_SECONDS = 0.1   # launcher.agent.WATCH_SECONDS: one store tick per agent
 RELAY_WAIT_SECONDS = 1.0  # NodeRelay's idle wait for the next plan
 OLD_WATCHER_SECONDS = 1.0  # the old per-worker watcher's wait on the job's store
 KINDS = ("agents", "workers", "rendezvous")  # the job store's clients, counted apart
-SAMPLE_SECONDS = 0.05
+SAMPLE_SECONDS = 0.25  # the busiest second's resolution; finer sampling cost a second of the agents' CPU
+PACKED_SWITCH_INTERVAL = 0.05  # sys.setswitchinterval of a process of simulated agents (see run_agents)
 
 
 def _store(address: str, host_store: bool = False):
@@ -131,6 +132,13 @@ def run_agents(args) -> None:
     # every cyclic collection the recovery's allocations trigger would scan again: an artefact of packing
     # agents into a process (an agent's own process holds one node's). Freeze them, as gc.freeze is for.
     gc.freeze()
+    # Likewise the interpreter lock: a thread waiting for it wakes every switch interval (5 ms) and
+    # makes the holder hand it over. An agent's process has a few threads; dozens of agents packed
+    # in one have hundreds, and when a recovery wakes them all at once those timed waits
+    # became a convoy: at 16,384 ranks nine runs took 4.5 to 111 s, the slow ones' relay threads
+    # spending up to 68 CPU-seconds in the kernel re-taking the lock after their store calls (2026-12-07).
+    # At 50 ms five runs took 5.6-8.4 s before the other fixes of that day, with no such outlier.
+    sys.setswitchinterval(PACKED_SWITCH_INTERVAL)
     sampler = _Sampler(nodes)
     cpu_before = time.process_time()
     kv.add("sim/ready", 1)

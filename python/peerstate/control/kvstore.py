@@ -147,10 +147,10 @@ class RequestCount:
 
     def sent(self, requests: int, *payloads: object) -> None:
         self.requests += requests
-        self.bytes_sent += sum(len(p) for p in payloads)  # type: ignore[arg-type]
+        self.bytes_sent += sum(map(len, payloads))  # type: ignore[arg-type]
 
     def received(self, values: Sequence[bytes]) -> None:
-        self.bytes_received += sum(len(v) for v in values)
+        self.bytes_received += sum(map(len, values))
 
 
 def as_bytes(value) -> bytes:

@@ -28,6 +28,7 @@ What is modelled, not run:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -236,7 +237,8 @@ class NcclRendezvous:
                 self.store.get(self._key(epoch, "0"))
             return
         if self._ids[0] != (epoch, roots):  # the names, once (torch makes them in C++)
-            self._ids = ((epoch, roots), [self._key(epoch, f"UniqueNCCLID:{r}") for r in range(roots)])
+            base = self._key(epoch, "UniqueNCCLID:")
+            self._ids = ((epoch, roots), [f"{base}{r}" for r in range(roots)])
         self.store.multi_get(self._ids[1])
 
     def form(self, epoch: int, rank: int, world_size: int) -> None:
@@ -257,8 +259,14 @@ class NcclRendezvous:
         roots = math.ceil(world_size / RANKS_PER_ROOT)
         if roots == 1:
             return "0" if rank == 0 else None
-        first = [r * world_size // roots for r in range(roots)]  # the roots, spread evenly
-        return f"UniqueNCCLID:{first.index(rank)}" if rank in first else None
+        index = _roots(world_size, roots).get(rank)
+        return None if index is None else f"UniqueNCCLID:{index}"
+
+
+@functools.lru_cache(maxsize=4)
+def _roots(world_size: int, roots: int) -> Dict[int, int]:
+    """rank -> its index among the roots, spread evenly over the ranks."""
+    return {r * world_size // roots: r for r in range(roots)}
 
 
 class _BucketLayout:
