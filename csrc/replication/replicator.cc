@@ -234,7 +234,10 @@ Status Replicator::rebuild_piece(ParityStore* parity, int lost_rank, int64_t ver
   std::vector<ParitySource> sources{{block->block.data(), parity->block_bytes()}};
   for (size_t i = 0; i < survivors.size(); i++)
     sources.emplace_back(pieces[i].data(), survivors[i].second->piece.nbytes);
-  PEERSTATE_RETURN_IF_ERROR(ParityCoder(1).xor_blocks(out->bytes.data(), parity->block_bytes(), sources, false));
+  // On the store's copy threads (their shared pool): a recovery takes no snapshot while it rebuilds,
+  // and the XOR of g - 1 pieces is memory-bound, which one thread leaves at a fraction of a host's bandwidth.
+  PEERSTATE_RETURN_IF_ERROR(
+      ParityCoder(store_->options().threads).xor_blocks(out->bytes.data(), parity->block_bytes(), sources, false));
   // Every chunk against the checksum its member sent: a survivor that served
   // another state under that version number cannot slip a wrong rebuild through.
   const Layout& layout = *out->meta.layout;
