@@ -35,7 +35,7 @@ SECRET = bytes(range(32))
 @pytest.fixture
 def two_ranks():
     """Rank 0's step boundary on its real stores, its buddy rank 1 a real replication
-    endpoint on 127.0.0.1 holding its pushes: ``make(versions)`` -> (boundary, buddy)."""
+    endpoint on 127.0.0.1 holding its pushes: ``make(versions, model=None)`` -> (boundary, buddy)."""
     torch = pytest.importorskip("torch")
     import peerstate
     from peerstate.control.memory_store import InMemoryKeyValueStore
@@ -49,11 +49,11 @@ def two_ranks():
 
     closing = []
 
-    def make(versions):
+    def make(versions, model=None):
         placement = peerstate.BuddyPlacement([0, 1], k=1)
         authority = peerstate._C.JobAuthority(SECRET)
         tracked = TrackedState([0, 1], k=1, share_count=None, versions=versions, threads=1)
-        model = torch.nn.Linear(2048, 2048)  # 16 MB: a push the test outruns unless it is waited for
+        model = model or torch.nn.Linear(2048, 2048)  # 16 MB: a push the test outruns unless it is waited for
         tracked.track(model=model, optimizer=None, scheduler=None, loader=None, extras={}, data_parallel=False)
         tracked.register(0)
         held = peerstate.SnapshotStore(threads=1)
@@ -148,3 +148,28 @@ def test_the_synced_pipeline_says_once_when_no_tracked_forward_waited(two_ranks,
     said = capsys.readouterr().err
     assert said.count("Job(versions=2) waits for each version's push when the tracked model's forward") == 1, said
     assert "no forward of it ran before the optimizer step after version 1" in said, said
+
+
+@pytest.mark.parametrize("versions", [4, 2], ids=["lazy", "synced"])
+def test_a_norm_layer_waits_for_the_copy_before_its_forward_updates_its_running_statistics(two_ranks, versions):
+    # The lazy and synced pipelines copy a version beside the next forward, where BatchNorm
+    # updates its running statistics in place: its forward waits for the copy first
+    # (StepBoundary.wait_copied_in_norms), so the version holds the statistics of its step.
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4096), torch.nn.Linear(4096, 4096))  # 64 MB to copy
+    boundary, _ = two_ranks(versions, model)
+    boundary.wait_in_forwards(model)
+    boundary.wait_copied_in_norms(model)
+    own, norm = boundary.tracked.own, model[0]
+    committed_at_norm = []
+    norm.register_forward_pre_hook(lambda *_: committed_at_norm.append(1 in own.committed_versions()))
+    at_step = norm.running_mean.clone()
+    boundary.end_step(1, 0.01, 0)
+    assert 1 not in own.committed_versions()  # the copy runs on beside the forward
+    model(torch.randn(8, 4096))
+    assert committed_at_norm == [True]
+    assert not torch.equal(norm.running_mean, at_step)  # the forward moved the statistics on
+    boundary.start_replication()
+    own.restore(1)
+    assert torch.equal(norm.running_mean, at_step)  # version 1 holds them as step 1 left them

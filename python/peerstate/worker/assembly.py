@@ -129,8 +129,10 @@ class WorkerParts:
         """``Job.track``'s work up to waiting for a rank: register what is tracked (a
         spare or a replacement, allocating it too), or resume a new job from its disk
         checkpoint; the first optimizer step of each round starts its replication
-        (and, 2 versions kept, each forward of a tracked module waits for its round)."""
+        (and, 2 versions kept, each forward of a tracked module waits for its round;
+        a normalisation layer's forward waits for the copy its statistics are in)."""
         self.boundary.wait_in_forwards(objects["model"])
+        self.boundary.wait_copied_in_norms(objects["model"])
         replica_mesh, replica_dim = replica_dimension(self.meshes, data_parallel)
         self.tracked.track(**objects, extras=extras, data_parallel=bool(data_parallel), replica_mesh=replica_mesh,
                            replica_dim=replica_dim)

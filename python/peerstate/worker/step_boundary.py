@@ -135,6 +135,7 @@ class StepBoundary:
         self._said_no_forward = False
         self._starter: Optional[threading.Thread] = None  # synced: starts the round once the copy is done
         self._starter_error: Optional[BaseException] = None
+        self._copying = False  # the last version's copy may still read the live tensors
         self._generation = 0  # forget_pending's count: a starter of an older one pushes nothing
         self._join_timeout = context.join_timeout
         self.capture = True
@@ -168,6 +169,7 @@ class StepBoundary:
             for store in self.tracked.snapshotted(self.rank):
                 store.snapshot(step)
             self._pending_version = step
+            self._copying = True
             if self.synced:
                 self._start_once_copied()
             elif self.eager:
@@ -230,8 +232,7 @@ class StepBoundary:
         pushed at the boundary must have landed."""
         version, self._pending_version = self._pending_version, None
         if version is not None:
-            for store in self.tracked.snapshotted(self.rank):
-                store.wait()
+            self._wait_copied()
             self._report_failed_round()
             self.replication.replicate(version)  # data-parallel state has no buddies: nothing to send
         elif self.eager:
@@ -281,6 +282,28 @@ class StepBoundary:
         for module in modules:
             module.register_forward_hook(lambda *_: self.forward_done())
 
+    def wait_copied_in_norms(self, model: Any) -> None:
+        """Lazy and synced pipelines: the last version's copy runs beside the next forward,
+        and a normalisation layer in training updates its running statistics in place
+        there (BatchNorm, InstanceNorm with ``track_running_stats``): the copy could
+        catch them part-way, and the version would not be the state of its step. Each
+        such module of ``model`` waits for the copy before its forward (a pre-hook); a
+        model without one keeps the whole overlap. A module of the script's own that
+        updates a tracked tensor in its forward is not seen: keep 3 versions for it."""
+        if self.eager and not self.synced:
+            return  # eager: copied at the boundary
+        for part in model_parts(model):
+            for module in part.modules() if hasattr(part, "modules") else ():
+                if getattr(module, "track_running_stats", False) and getattr(module, "running_mean", None) is not None:
+                    module.register_forward_pre_hook(lambda module, _: self._wait_copied() if module.training else None)
+
+    def _wait_copied(self) -> None:
+        """Wait for the copy of the last version snapshotted (raise its error)."""
+        if self._copying:
+            self._copying = False
+            for store in self.tracked.snapshotted(self.rank):
+                store.wait()
+
     def forward_done(self) -> None:
         """The synced pipeline's wait (a forward hook on each tracked module): the
         round of the version pushed at the last boundary must have landed before this
@@ -310,6 +333,7 @@ class StepBoundary:
         before the replication is reset: a synced round about to start is stopped, or
         has started in the epoch the abort ended)."""
         self._pending_version = None
+        self._copying = False  # the restore cancels it
         self._generation += 1
         starter, self._starter = self._starter, None
         if starter is not None:
