@@ -22,6 +22,8 @@ from typing import List, Optional
 
 from peerstate.errors import InvalidArgumentError
 
+BIND_ATTEMPTS = 3  # starts of a cluster whose member lost a port to another process between its pick and etcd's bind
+
 
 @dataclass(frozen=True)
 class ClusterTls:
@@ -41,10 +43,21 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def _free_ports(count: int) -> List[int]:
+    """``count`` distinct ports free on 127.0.0.1 now. Every probe is held until all are
+    picked: one released early could be handed out again, and two members would share
+    it. Another process may still take one before etcd binds it (``EtcdCluster`` then
+    starts again)."""
+    probes: List[socket.socket] = []
+    try:
+        for _ in range(count):
+            probe = socket.socket()
+            probes.append(probe)
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 class EtcdCluster:
@@ -58,18 +71,33 @@ class EtcdCluster:
         if tls:
             self._context = ssl.create_default_context(cafile=tls.ca)
             self._context.load_cert_chain(tls.client_cert, tls.client_key)
-        self.client_ports = [_free_port() for _ in range(members)]
-        peer_ports = [_free_port() for _ in range(members)]
-        initial = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peer_ports))
         self.processes: List[Optional[subprocess.Popen]] = []
+        for attempt in range(BIND_ATTEMPTS):
+            self._start(binary, members, tls)
+            try:
+                self._wait_healthy(timeout=30)
+                return
+            except BaseException as error:
+                self.close()
+                lost_port = isinstance(error, RuntimeError) and "address already in use" in str(error)
+                if not lost_port or attempt + 1 == BIND_ATTEMPTS:
+                    raise
+
+    def _start(self, binary: str, members: int, tls: Optional["ClusterTls"]) -> None:
+        """Start ``members`` fresh members on ports free now (a new data directory each)."""
+        ports = _free_ports(2 * members)
+        self.client_ports, peer_ports = ports[:members], ports[members:]
+        initial = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peer_ports))
+        self.processes = []
         for i in range(members):
+            shutil.rmtree(self.directory / f"etcd-m{i}", ignore_errors=True)
             client = f"{'https' if tls else 'http'}://127.0.0.1:{self.client_ports[i]}"
             peer = f"http://127.0.0.1:{peer_ports[i]}"
             secured = ["--cert-file", tls.server_cert, "--key-file", tls.server_key, "--client-cert-auth",
                        "--trusted-ca-file", tls.ca] if tls else []
-            log = open(directory / f"etcd-m{i}.log", "wb")
+            log = open(self.directory / f"etcd-m{i}.log", "wb")
             self.processes.append(subprocess.Popen(
-                [binary, "--name", f"m{i}", "--data-dir", str(directory / f"etcd-m{i}"),
+                [binary, "--name", f"m{i}", "--data-dir", str(self.directory / f"etcd-m{i}"),
                  "--listen-client-urls", client, "--advertise-client-urls", client,
                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                  "--initial-cluster", initial, "--initial-cluster-state", "new",
@@ -78,11 +106,6 @@ class EtcdCluster:
                  "--heartbeat-interval", "50", "--election-timeout", "500", *secured],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent))
-        try:
-            self._wait_healthy(timeout=30)
-        except BaseException:
-            self.close()
-            raise
 
     @property
     def endpoints(self) -> List[str]:
@@ -118,7 +141,10 @@ class EtcdCluster:
     def kill(self, member: int) -> None:
         process = self.processes[member]
         if process is not None:
-            os.killpg(process.pid, signal.SIGKILL)
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # it exited, and its group with it (a member that could not bind its port)
             process.wait(10)
             self.processes[member] = None
 
@@ -134,8 +160,10 @@ class EtcdCluster:
                     return
             except (OSError, ValueError, http.client.HTTPException):
                 pass
-            if time.monotonic() > deadline:
+            exited = [i for i, p in enumerate(self.processes) if p is not None and p.poll() is not None]
+            if exited or time.monotonic() > deadline:
                 logs = "\n".join((self.directory / f"etcd-m{i}.log").read_text()[-2000:]
                                  for i in range(len(self.processes)))
-                raise RuntimeError(f"etcd did not become healthy within {timeout}s:\n{logs}")
+                why = f"members {exited} exited" if exited else f"etcd did not become healthy within {timeout}s"
+                raise RuntimeError(f"{why}:\n{logs}")
             time.sleep(0.05)
