@@ -53,7 +53,8 @@ def two_ranks():
         placement = peerstate.BuddyPlacement([0, 1], k=1)
         authority = peerstate._C.JobAuthority(SECRET)
         tracked = TrackedState([0, 1], k=1, share_count=None, versions=versions, threads=1)
-        model = model or torch.nn.Linear(2048, 2048)  # 16 MB: a push the test outruns unless it is waited for
+        if model is None:  # not "model or": a module with __len__ (Sequential) may be falsy
+            model = torch.nn.Linear(2048, 2048)  # 16 MB: a push the test outruns unless it is waited for
         tracked.track(model=model, optimizer=None, scheduler=None, loader=None, extras={}, data_parallel=False)
         tracked.register(0)
         held = peerstate.SnapshotStore(threads=1)
